@@ -1,0 +1,56 @@
+// pybind11 module rocenante._C: the Communicator, its enums, and one Python exception per error class.
+// Calls that may wait on peers release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "communicator.h"
+#include "errors.h"
+
+namespace py = pybind11;
+using rocenante::Communicator;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "rocenante core: one-shot all-reduce over shared memory and CUDA IPC";
+
+  auto base = py::register_exception<rocenante::Error>(m, "RocenanteError", PyExc_RuntimeError);
+  py::register_exception<rocenante::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
+  py::register_exception<rocenante::PeerTimeout>(m, "PeerTimeoutError", base.ptr());
+  py::register_exception<rocenante::CallMismatch>(m, "CallMismatchError", base.ptr());
+  py::register_exception<rocenante::Closed>(m, "ClosedError", base.ptr());
+
+  py::enum_<rocenante::DType>(m, "DType")
+      .value("float32", rocenante::DType::kFloat32)
+      .value("float16", rocenante::DType::kFloat16)
+      .value("bfloat16", rocenante::DType::kBFloat16)
+      .value("int32", rocenante::DType::kInt32);
+  py::enum_<rocenante::ReduceOp>(m, "ReduceOp")
+      .value("sum", rocenante::ReduceOp::kSum)
+      .value("avg", rocenante::ReduceOp::kAvg)
+      .value("max", rocenante::ReduceOp::kMax)
+      .value("min", rocenante::ReduceOp::kMin);
+
+#ifdef ROCENANTE_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("max_ranks") = rocenante::kMaxRanks;
+  m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
+
+  py::class_<Communicator>(m, "Communicator")
+      .def(py::init<int, int, int, size_t, double>(), py::arg("rank"), py::arg("world"), py::arg("device"),
+           py::arg("capacity_bytes"), py::arg("timeout_s"))
+      .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
+      .def("connect", &Communicator::connect, py::arg("handles"))
+      .def("all_connected", &Communicator::all_connected)
+      .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("check", &Communicator::check)
+      .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Communicator::closed)
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world", &Communicator::world)
+      .def_property_readonly("device", &Communicator::device)
+      .def_property_readonly("capacity_bytes", &Communicator::capacity_bytes)
+      .def_property_readonly("timeout_s", &Communicator::timeout_s);
+}

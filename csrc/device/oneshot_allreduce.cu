@@ -1,0 +1,229 @@
+// The one-shot all-reduce kernel: one launch does the whole collective.
+//
+//   push:  each thread reads one 16-byte chunk of the input and stores it, as two lines carrying this call's
+//          flag, into this rank's source slot of every peer's region (over NVLink via CUDA IPC mappings);
+//   pull:  the same thread polls its own region for the matching lines of every peer, combines all inputs in
+//          rank order (fp32 accumulation), writes the output chunk and zeroes the lines it consumed.
+//
+// No CTA waits for another CTA and no thread waits for anything but its own chunk's lines, so there is no
+// barrier round: the flag travels inside the data (layout.h). A thread that waits longer than the timeout
+// records which peers were missing and the kernel ends normally; the host raises before the next launch.
+#include <algorithm>
+#include <vector>
+
+#include "../chunk_reduce.h"
+#include "../cuda_check.h"
+#include "lines.cuh"
+#include "oneshot_kernel.h"
+
+namespace rocenante {
+namespace {
+
+// Most CTAs one launch uses; also the number of epoch copies (see DeviceState::epochs).
+constexpr int kMaxBlocks = 256;
+
+// Per-communicator state the kernel keeps on the device between launches, so that a captured CUDA graph
+// replays correctly: nothing per call comes from the host except the launch parameters.
+struct DeviceState {
+  // The call counter, one copy per CTA index. CTA b reads epochs[b] when it starts and, when it ends, writes
+  // epoch+1 to every copy j with j % gridDim == b. Every copy is thus advanced exactly once per call, by the
+  // only CTA that reads it, so all copies stay equal without any synchronisation between CTAs.
+  uint32_t* epochs;
+  // Device word: bit mask of peers a thread gave up on, so the other threads stop waiting early.
+  uint32_t* fault_mask;
+  // Mapped host word (encode_fault): the host reads it before each launch and raises.
+  uint64_t* fault_host;
+};
+
+constexpr int kThreads = 256;         // per CTA; small messages use fewer (a multiple of a warp)
+constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault word
+
+__device__ void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
+  const size_t begin = c * kChunkBytes;
+  const char* src = static_cast<const char*>(a.in) + begin;
+  if (begin + kChunkBytes <= a.bytes && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    return;
+  }
+  // Tail chunk, or an input that is only element-aligned: element by element, zero-padded.
+  w[0] = w[1] = w[2] = w[3] = 0;
+  const size_t n = min(kChunkBytes, a.bytes - begin);
+  if (dtype_size(a.dtype) == 2) {
+    for (size_t i = 0; i < n / 2; ++i) w[i / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(src)[i]) << (16 * (i % 2));
+  } else {
+    for (size_t i = 0; i < n / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
+  }
+}
+
+__device__ void store_chunk(const AllReduceArgs& a, size_t c, const uint32_t (&w)[4]) {
+  const size_t begin = c * kChunkBytes;
+  char* dst = static_cast<char*>(a.out) + begin;
+  if (begin + kChunkBytes <= a.bytes && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    return;
+  }
+  const size_t n = min(kChunkBytes, a.bytes - begin);
+  if (dtype_size(a.dtype) == 2) {
+    for (size_t i = 0; i < n / 2; ++i) reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(w[i / 2] >> (16 * (i % 2)));
+  } else {
+    for (size_t i = 0; i < n / 4; ++i) reinterpret_cast<uint32_t*>(dst)[i] = w[i];
+  }
+}
+
+__device__ void report_fault(const DeviceState& s, uint64_t fault, uint32_t missing_mask) {
+  const uint32_t seen = atomicOr(s.fault_mask, missing_mask | 0x80000000u) | missing_mask;
+  if (fault_kind(fault) == Fault::kPeerTimeout) fault = encode_fault(Fault::kPeerTimeout, seen & 0xFFFFFFu, 0);
+  *reinterpret_cast<volatile uint64_t*>(s.fault_host) = fault;
+  __threadfence_system();
+}
+
+template <DType D, ReduceOp Op>
+__global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
+  const uint32_t epoch = s.epochs[blockIdx.x];
+  const int slot = epoch & 1;
+  const uint32_t flag = make_flag(a.signature, epoch);
+  const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const size_t send_base = a.layout.line_index(slot, a.rank);
+
+  for (size_t c = first; c < chunks; c += stride) {
+    uint32_t w[4];
+    load_chunk(a, c, w);
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.world || p == a.rank) continue;
+      Line* dst = a.peer[p] + send_base + c * kLinesPerChunk;
+      store_line(dst, w[0], w[1], flag);
+      store_line(dst + 1, w[2], w[3], flag);
+    }
+  }
+
+  const uint64_t deadline = global_timer_ns() + a.timeout_ns;
+  bool failed = false;
+  for (size_t c = first; c < chunks && !failed; c += stride) {
+    // Poll every peer's two lines for this chunk until all carry our flag. Indices into `got` are
+    // compile-time constants after unrolling, so the lines stay in registers.
+    Line got[kMaxRanks][kLinesPerChunk];
+    uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
+    for (int polls = 1; pending != 0; ++polls) {
+#pragma unroll
+      for (int p = 0; p < kMaxRanks; ++p) {
+        if (!(pending & (1u << p))) continue;
+        const Line* src = a.local + a.layout.line_index(slot, p) + c * kLinesPerChunk;
+        got[p][0] = load_line(src);
+        got[p][1] = load_line(src + 1);
+        const uint32_t f[4] = {got[p][0].flag0, got[p][0].flag1, got[p][1].flag0, got[p][1].flag1};
+        bool arrived = true;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          if (f[h] != flag && f[h] != 0) {  // the peer made a different call: say which
+            report_fault(s, encode_fault(Fault::kCallMismatch, p, flag_signature(f[h], epoch)), 0);
+            failed = true;
+          }
+          arrived &= f[h] == flag;
+        }
+        if (arrived) pending &= ~(1u << p);
+      }
+      if (failed) break;
+      if (pending != 0 && polls % kPollsPerClockRead == 0) {
+        if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) {
+          failed = true;  // another thread already gave up: stop waiting too
+        } else if (global_timer_ns() > deadline) {
+          report_fault(s, encode_fault(Fault::kPeerTimeout, pending, 0), pending);
+          failed = true;
+        }
+        if (failed) break;
+      }
+    }
+    if (failed) break;
+
+    typename Chunk<D>::Acc acc[Chunk<D>::kElems];
+#pragma unroll
+    for (int p = 0; p < kMaxRanks; ++p) {
+      if (p >= a.world) continue;
+      uint32_t w[4];
+      if (p == a.rank) {
+        load_chunk(a, c, w);
+      } else {
+        w[0] = got[p][0].data0, w[1] = got[p][0].data1, w[2] = got[p][1].data0, w[3] = got[p][1].data1;
+        Line* src = a.local + a.layout.line_index(slot, p) + c * kLinesPerChunk;
+        zero_line(src);
+        zero_line(src + 1);
+      }
+      accumulate<D, Op>(acc, w, p == 0);
+    }
+    uint32_t w[4] = {0, 0, 0, 0};
+    finish<D, Op>(acc, a.world, w);
+    store_chunk(a, c, w);
+  }
+
+  // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int j = blockIdx.x; j < kMaxBlocks; j += gridDim.x) s.epochs[j] = epoch + 1;
+}
+
+struct LaunchShape {
+  int blocks;
+  int threads;
+};
+
+// One 16-byte chunk per thread: a single CTA (a whole number of warps) for small messages, then CTAs of
+// kThreads up to one per multiprocessor.
+LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
+  const size_t chunks = std::max<size_t>(1, (bytes + kChunkBytes - 1) / kChunkBytes);
+  if (chunks <= size_t(kThreads)) return {1, int((chunks + 31) / 32 * 32)};
+  const size_t blocks = std::min<size_t>((chunks + kThreads - 1) / kThreads, size_t(std::min(max_blocks, kMaxBlocks)));
+  return {int(blocks), kThreads};
+}
+
+class CudaOneshotKernel final : public OneshotKernel {
+ public:
+  explicit CudaOneshotKernel(int device) : device_(device) {
+    DeviceGuard guard(device_);
+    ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kMaxBlocks * sizeof(uint32_t) + sizeof(uint32_t)));
+    state_.fault_mask = state_.epochs + kMaxBlocks;
+    std::vector<uint32_t> init(kMaxBlocks + 1, 1);  // every rank starts at epoch 1
+    init[kMaxBlocks] = 0;                           // fault_mask: no fault
+    ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    ROCENANTE_CHECK_CUDA(cudaHostAlloc(&fault_host_, sizeof(uint64_t), cudaHostAllocMapped));
+    *fault_host_ = 0;
+    ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_.fault_host), fault_host_, 0));
+  }
+
+  ~CudaOneshotKernel() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    cudaDeviceSynchronize();  // no kernel of ours may still use the state
+    cudaFree(state_.epochs);
+    cudaFreeHost(fault_host_);
+    cudaSetDevice(previous);
+  }
+
+  void launch(const AllReduceArgs& args, uintptr_t stream) override {
+    DeviceGuard guard(device_);
+    const LaunchShape shape = oneshot_shape(args.bytes, multiprocessors_);
+    dispatch_dtype_op(args.dtype, args.op, [&]<DType D, ReduceOp Op>() {
+      oneshot_allreduce_kernel<D, Op><<<shape.blocks, shape.threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args, state_);
+    });
+    ROCENANTE_CHECK_CUDA(cudaGetLastError());
+  }
+
+  uint64_t fault() const override { return *reinterpret_cast<volatile uint64_t*>(fault_host_); }
+
+ private:
+  int device_;
+  int multiprocessors_ = 0;
+  DeviceState state_{};
+  uint64_t* fault_host_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device) { return std::make_unique<CudaOneshotKernel>(device); }
+
+}  // namespace rocenante

@@ -1,0 +1,23 @@
+// The GPU engine of a communicator, seen from CUDA-free host code: it owns the kernel's device state and
+// launches one kernel per all-reduce. Without CUDA, make_oneshot_kernel throws.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "../allreduce_args.h"
+
+namespace rocenante {
+
+class OneshotKernel {
+ public:
+  virtual ~OneshotKernel() = default;
+  // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer).
+  virtual void launch(const AllReduceArgs& args, uintptr_t stream) = 0;
+  // 0, or the encode_fault() word the last faulting kernel recorded.
+  virtual uint64_t fault() const = 0;
+};
+
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device);
+
+}  // namespace rocenante

@@ -1,0 +1,96 @@
+// The receive region every rank exposes to its peers, and the line format that carries data into it.
+// Shared by the host path (shared memory, CPU reduction) and the kernel (CUDA IPC): one protocol, one layout.
+//
+// Region of rank r:   slot[2] x source[world] x line[capacity_bytes / 8]      (Line = 16 bytes)
+//   written by: source s writes only source[s] of every peer's region (its own input, pushed);
+//   read by:    rank r reads source[*] of its own region, then writes every line it read back to zero.
+//
+// Line: {data0, flag, data1, flag} carries 8 payload bytes. The sender writes it with one 16-byte store and
+// the receiver reads it with one 16-byte load. We rely only on each 8-byte half {data, flag} being written
+// atomically (as NCCL's LL protocol does, over NVLink, PCIe and RDMA alike): a half whose flag is current
+// holds current data, so the flag can never become visible before its payload and no fence is needed.
+//
+// Flag of a call = make_flag(signature of the call, epoch). The epoch counts calls, identically on every rank.
+//   - A half with flag == the expected value is this call's data from that peer.
+//   - A half with flag == 0 has not arrived yet (the receiver zeroed it after its last use).
+//   - Any other value means the peer made a different call (size, dtype or op); the signature inside the
+//     flag says which, and the communicator reports both calls.
+// Because the receiver zeroes what it read, no stale flag survives into a later call, so flags never need
+// to be unique over time and epoch wrap-around is harmless.
+//
+// Why two slots suffice: calls alternate slots (slot = epoch & 1). A sender in call e+1 writes slot (e+1)&1,
+// last read by the receiver in call e-1. The sender got past call e only after receiving the receiver's data
+// for call e, which the receiver sends only after it finished (and zeroed) everything of call e-1.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define ROCENANTE_HD __host__ __device__ __forceinline__
+#else
+#define ROCENANTE_HD inline
+#endif
+
+namespace rocenante {
+
+enum class DType : uint32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3 };
+enum class ReduceOp : uint32_t { kSum = 0, kAvg = 1, kMax = 2, kMin = 3 };
+constexpr int kNumDTypes = 4;
+constexpr int kNumOps = 4;
+
+ROCENANTE_HD size_t dtype_size(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16 ? 2 : 4; }
+
+struct alignas(16) Line {
+  uint32_t data0, flag0, data1, flag1;
+};
+static_assert(sizeof(Line) == 16, "a line is one 16-byte store");
+constexpr size_t kLinePayloadBytes = 8;
+// One unit of work (a GPU thread, a CPU loop step) reads 16 input bytes and sends them as two lines.
+constexpr size_t kChunkBytes = 16;
+constexpr size_t kLinesPerChunk = kChunkBytes / kLinePayloadBytes;
+
+// Most ranks a communicator serves: the kernel holds one line pair per rank in registers while it waits,
+// and one-shot (every rank receives world-1 full inputs) stops paying beyond one 8-GPU host anyway.
+constexpr int kMaxRanks = 8;
+// Capacity bounds: a multiple of one chunk, and small enough that the element count fits the signature.
+constexpr size_t kMaxCapacityBytes = size_t(128) << 20;
+
+// Signature of a call: the element count (< 2^27, since capacity <= 128 MiB and elements are >= 2 bytes),
+// dtype and op, packed injectively into bits 1..31. Bit 0 stays clear for make_flag.
+ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op) {
+  return (uint32_t(count) << 5) | (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
+}
+ROCENANTE_HD size_t signature_count(uint32_t sig) { return sig >> 5; }
+ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
+ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
+
+// Never zero (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which
+// call the peer made: signature = (flag ^ (epoch << 1)) & ~1.
+ROCENANTE_HD uint32_t make_flag(uint32_t signature, uint32_t epoch) { return (signature ^ (epoch << 1)) | 1u; }
+ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (flag ^ (epoch << 1)) & ~1u; }
+
+struct RegionLayout {
+  size_t capacity_bytes;  // largest payload of one call, a multiple of kChunkBytes
+  int world;
+
+  ROCENANTE_HD size_t lines_per_source() const { return capacity_bytes / kLinePayloadBytes; }
+  ROCENANTE_HD size_t region_bytes() const { return 2 * size_t(world) * lines_per_source() * sizeof(Line); }
+  // First line of `source`'s data in `slot` of a region.
+  ROCENANTE_HD size_t line_index(int slot, int source) const {
+    return (size_t(slot) * world + source) * lines_per_source();
+  }
+};
+
+// Why a call failed, packed in one 64-bit word so that one plain store publishes it whole
+// (the kernel writes it to mapped host memory; the host path returns it).
+enum class Fault : uint32_t { kNone = 0, kPeerTimeout = 1, kCallMismatch = 2 };
+// kPeerTimeout: detail = bit mask of the peers not arrived.  kCallMismatch: detail = peer, value = its signature.
+ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
+  return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;
+}
+ROCENANTE_HD Fault fault_kind(uint64_t w) { return Fault(w >> 56); }
+ROCENANTE_HD uint32_t fault_detail(uint64_t w) { return uint32_t(w >> 32) & 0xFFFFFFu; }
+ROCENANTE_HD uint32_t fault_value(uint64_t w) { return uint32_t(w); }
+
+}  // namespace rocenante

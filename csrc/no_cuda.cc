@@ -1,0 +1,16 @@
+// Built instead of the CUDA sources when no CUDA compiler was found: GPU communicators are refused clearly.
+#include "device/oneshot_kernel.h"
+#include "errors.h"
+#include "transport/transport.h"
+
+namespace rocenante {
+
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int) {
+  ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
+}
+
+std::unique_ptr<Transport> make_cuda_ipc_transport(int, int, const RegionLayout&) {
+  ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
+}
+
+}  // namespace rocenante

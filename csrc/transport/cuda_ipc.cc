@@ -1,0 +1,79 @@
+// CUDA IPC transport: each rank's receive region is one cudaMalloc allocation that every peer on the host
+// maps with cudaIpcOpenMemHandle, so the kernel's stores to a peer travel over NVLink/NVSwitch (or PCIe P2P).
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include "../cuda_check.h"
+#include "transport.h"
+
+namespace rocenante {
+namespace {
+
+class CudaIpcTransport final : public Transport {
+ public:
+  CudaIpcTransport(int rank, int device, const RegionLayout& layout)
+      : rank_(rank), device_(device), regions_(layout.world, nullptr) {
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
+    regions_[rank_] = static_cast<Line*>(p);
+    // Zero lines mean "not arrived"; the memset completes before any peer learns our handle.
+    ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
+    ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
+    ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
+  }
+
+  ~CudaIpcTransport() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    for (int p = 0; p < int(regions_.size()); ++p) {
+      if (regions_[p] == nullptr) continue;
+      if (p == rank_)
+        cudaFree(regions_[p]);
+      else
+        cudaIpcCloseMemHandle(regions_[p]);
+    }
+    cudaSetDevice(previous);
+  }
+
+  std::string local_handle() const override {
+    return std::string(reinterpret_cast<const char*>(&handle_), sizeof(handle_));
+  }
+
+  void connect(const std::vector<std::string>& handles) override {
+    DeviceGuard guard(device_);
+    for (int p = 0; p < int(handles.size()); ++p) {
+      if (p == rank_) continue;
+      if (handles[p].size() != sizeof(cudaIpcMemHandle_t))
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent no CUDA IPC handle (is it on a GPU?)");
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handles[p].data(), sizeof(h));
+      void* mapped = nullptr;
+      const cudaError_t err = cudaIpcOpenMemHandle(&mapped, h, cudaIpcMemLazyEnablePeerAccess);
+      if (err != cudaSuccess)
+        ROCENANTE_THROW(Error, "cannot map rank " + std::to_string(p) + "'s GPU memory into device " +
+                                   std::to_string(device_) + " over CUDA IPC: " + cudaGetErrorString(err) +
+                                   " (peers must share a host and have peer access)");
+      regions_[p] = static_cast<Line*>(mapped);
+    }
+  }
+
+  Line* local_region() const override { return regions_[rank_]; }
+  Line* peer_region(int peer) const override { return regions_[peer]; }
+
+ private:
+  int rank_;
+  int device_;
+  cudaIpcMemHandle_t handle_{};
+  std::vector<Line*> regions_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const RegionLayout& layout) {
+  return std::make_unique<CudaIpcTransport>(rank, device, layout);
+}
+
+}  // namespace rocenante

@@ -1,0 +1,20 @@
+"""rocenante: one-shot all-reduce for tensor-parallel inference on small GPU clusters."""
+
+from rocenante._C import (
+    CallMismatchError,
+    ClosedError,
+    InvalidArgument,
+    PeerTimeoutError,
+    RocenanteError,
+)
+from rocenante.communicator import Communicator
+
+__all__ = [
+    "CallMismatchError",
+    "ClosedError",
+    "Communicator",
+    "InvalidArgument",
+    "PeerTimeoutError",
+    "RocenanteError",
+]
+__version__ = "0.1.0"

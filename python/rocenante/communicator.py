@@ -1,0 +1,186 @@
+"""The Python face of a rocenante communicator: rendezvous through a torch.distributed Store, argument
+checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the C++ core."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rocenante import _C, _env
+
+_DTYPES = {
+    torch.float32: _C.DType.float32,
+    torch.float16: _C.DType.float16,
+    torch.bfloat16: _C.DType.bfloat16,
+    torch.int32: _C.DType.int32,
+}
+_OPS = {
+    "sum": _C.ReduceOp.sum,
+    "avg": _C.ReduceOp.avg,
+    "max": _C.ReduceOp.max,
+    "min": _C.ReduceOp.min,
+    dist.ReduceOp.SUM: _C.ReduceOp.sum,
+    dist.ReduceOp.AVG: _C.ReduceOp.avg,
+    dist.ReduceOp.MAX: _C.ReduceOp.max,
+    dist.ReduceOp.MIN: _C.ReduceOp.min,
+}
+
+
+def _lookup_op(op) -> "_C.ReduceOp":
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported op {op!r}; rocenante supports sum, avg, max and min") from None
+
+
+def _wait_for_ranks(store, keys: list[str], timeout_s: float, what: str) -> None:
+    """Waits until every rank has set its key; on timeout names the ranks that did not."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as err:  # the store raises its own timeout type, which differs between versions
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            raise
+        raise _C.PeerTimeoutError(
+            f"timed out after {timeout_s} s waiting for rank(s) {missing} to {what}"
+        ) from err
+
+
+class Communicator:
+    """One-shot all-reduce among `world_size` processes of one host.
+
+    Build it on every rank with the same store (TCPStore, FileStore, or the store of an existing process
+    group), or from a process group with ``Communicator(group=pg)``. ``device`` is ``"cpu"`` (shared memory)
+    or a CUDA device (CUDA IPC; one GPU per rank). Every rank must then make the same sequence of calls
+    with the same size, dtype and op; a rank that differs makes every rank's call fail naming it.
+    """
+
+    def __init__(
+        self,
+        store: Optional[dist.Store] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        device="cpu",
+        capacity_bytes: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+    ):
+        if group is not None:
+            if store is not None or rank is not None or world_size is not None:
+                raise ValueError("pass either group= or store, rank and world_size, not both")
+            store = dist.distributed_c10d._world.pg_map[group][1]
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if store is None or rank is None or world_size is None:
+            raise ValueError("Communicator needs store, rank and world_size (or group=)")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {device!r}: use 'cpu' or a CUDA device")
+        self.rank = rank
+        self.world_size = world_size
+        self.capacity_bytes = _env.capacity_bytes() if capacity_bytes is None else int(capacity_bytes)
+        self.capacity_bytes = -(-self.capacity_bytes // 16) * 16  # the core moves 16-byte chunks
+        self.timeout_s = _env.timeout_s() if timeout_s is None else float(timeout_s)
+        ordinal = -1 if self.device.type == "cpu" else self.device.index
+        self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s)
+        try:
+            self._rendezvous(store)
+        except BaseException:
+            self._c.close()
+            raise
+
+    def _rendezvous(self, store) -> None:
+        # Every rank draws one ticket per communicator; all tickets of one communicator are drawn before any
+        # of the next (each rank must finish this rendezvous first), so they share one generation number.
+        ticket = store.add("rocenante/tickets", 1)
+        prefix = f"rocenante/comm{(ticket - 1) // self.world_size}"
+        store.set(f"{prefix}/handle/{self.rank}", self._c.local_handle())
+        keys = [f"{prefix}/handle/{r}" for r in range(self.world_size)]
+        _wait_for_ranks(store, keys, self.timeout_s, "publish its handle")
+        self._c.connect([store.get(k) for k in keys])
+        store.set(f"{prefix}/connected/{self.rank}", b"1")
+        keys = [f"{prefix}/connected/{r}" for r in range(self.world_size)]
+        _wait_for_ranks(store, keys, self.timeout_s, "connect")
+        self._c.all_connected()
+
+    def all_reduce(self, x, op="sum", out=None):
+        """Reduces ``x`` over all ranks into ``out`` (a new tensor if None; may be ``x`` itself) and returns it.
+
+        ``x`` is a contiguous torch tensor on this communicator's device (or a CUDA array exposing
+        ``__cuda_array_interface__``, e.g. CuPy, on the current CuPy stream), of dtype float32, float16,
+        bfloat16 or int32, at most ``capacity_bytes`` large. ``op`` is "sum", "avg", "max", "min" or a
+        ``torch.distributed.ReduceOp`` of those. On CUDA the call is enqueued on the current stream and
+        returns at once; a peer fault it meets is raised by the next call or by :meth:`synchronize`.
+        """
+        if not isinstance(x, torch.Tensor) and hasattr(x, "__cuda_array_interface__"):
+            return self._all_reduce_cuda_array(x, op, out)
+        out = self._check(x, out)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
+        return out
+
+    def _all_reduce_cuda_array(self, x, op, out):
+        import cupy
+
+        if out is None:
+            out = cupy.empty_like(x)
+        tx = torch.as_tensor(x, device=self.device)
+        tout = torch.as_tensor(out, device=self.device)
+        self._check(tx, tout)
+        self._c.all_reduce(
+            tx.data_ptr(), tout.data_ptr(), tx.numel(), _DTYPES[tx.dtype], _lookup_op(op),
+            cupy.cuda.get_current_stream().ptr,
+        )
+        return out
+
+    def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"all_reduce takes a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"unsupported dtype {x.dtype}; rocenante supports float32, float16, bfloat16 and int32")
+        if x.device != self.device:
+            raise ValueError(f"tensor is on {x.device}, this communicator on {self.device}")
+        if not x.is_contiguous():
+            raise ValueError("all_reduce needs a contiguous tensor; call .contiguous() first")
+        if out is None:
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
+            raise ValueError(
+                f"out must match the input: got {out.dtype} {tuple(out.shape)} on {out.device}, "
+                f"input {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        return out
+
+    def synchronize(self) -> None:
+        """Waits for this communicator's work on the current stream and raises any fault it met."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._c.check()
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    def close(self) -> None:
+        """Releases the communicator's memory. Idempotent."""
+        self._c.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"rocenante.Communicator(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+            f"capacity_bytes={self.capacity_bytes}, {state})"
+        )

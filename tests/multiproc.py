@@ -1,0 +1,61 @@
+"""Runs a function on several real processes, one per rank, joined by a FileStore."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+
+
+def _entry(fn, rank, world, store_path, args, queue):
+    try:
+        import torch.distributed as dist
+
+        store = dist.FileStore(store_path, world)
+        queue.put((rank, "ok", fn(store, rank, world, *args)))
+    except BaseException as err:  # report every failure, with its type, to the parent
+        queue.put((rank, "error", (type(err).__name__, str(err), traceback.format_exc())))
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
+    """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
+
+    An exception on any rank is returned as ("error", type name, message, traceback) in that rank's place;
+    processes still running after `timeout` seconds are killed and reported as ("hung",).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: list = [("hung",)] * world
+        import queue as queue_mod
+        import time
+
+        deadline = time.monotonic() + timeout
+        received = 0
+        while received < world:
+            try:
+                rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                break
+            results[rank] = value if status == "ok" else ("error",) + value
+            received += 1
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def expect_ok(results: list) -> list:
+    """Fails the test with every rank's traceback if any rank raised or hung."""
+    bad = [(r, res) for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] in ("error", "hung")]
+    if bad:
+        lines = [f"rank {r}: {res[1:] if res[0] == 'error' else 'hung'}" for r, res in bad]
+        raise AssertionError("\n".join(lines))
+    return results

@@ -1,0 +1,69 @@
+"""Inputs every rank can regenerate, and the two references every result is checked against."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32]
+OPS = ["sum", "avg", "max", "min"]
+
+
+def ops_for(dtype):
+    return [op for op in OPS if not (dtype == torch.int32 and op == "avg")]
+
+
+def make_input(seed: int, case: int, rank: int, numel: int, dtype, device="cpu") -> torch.Tensor:
+    """Fresh random data (never zeros) that any rank can rebuild for any other rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + case * 101 + rank)
+    if dtype == torch.int32:
+        x = torch.randint(-1000, 1000, (numel,), generator=g, dtype=torch.int32)
+    else:
+        x = (torch.randn(numel, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    return x.to(device)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fills an output with a value no correct all-reduce produces here."""
+    return t.fill_(-123456789 if t.dtype == torch.int32 else float("nan"))
+
+
+def sequential_fp32(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The exact bits rocenante promises: rank order, fp32 accumulation (int32 wraps), one final rounding."""
+    dtype = inputs[0].dtype
+    acc = inputs[0].to(torch.int64 if dtype == torch.int32 else torch.float32)
+    for x in inputs[1:]:
+        x = x.to(acc.dtype)
+        if op in ("sum", "avg"):
+            acc = acc + x
+        elif op == "max":
+            acc = torch.where(acc > x, acc, x)
+        else:
+            acc = torch.where(acc < x, acc, x)
+    if dtype == torch.int32:
+        return ((acc + 2**31) % 2**32 - 2**31).to(torch.int32)
+    if op == "avg":
+        acc = acc / torch.tensor(float(len(inputs)), dtype=torch.float32)
+    return acc.to(dtype)
+
+
+def check_against_float64(out: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None:
+    """The result is within the dtype's rounding of the float64 all-reduce."""
+    xs = torch.stack([x.double().cpu() for x in inputs])
+    ref = {"sum": xs.sum(0), "avg": xs.mean(0), "max": xs.max(0).values, "min": xs.min(0).values}[op]
+    got = out.double().cpu()
+    assert not torch.isnan(got).any(), "output has unwritten (NaN-poisoned) elements"
+    if op in ("max", "min") or out.dtype == torch.int32:
+        assert torch.equal(got, ref), f"{op} differs from the float64 reference"
+        return
+    eps = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[out.dtype]
+    scale = xs.abs().sum(0) / (len(inputs) if op == "avg" else 1)
+    err = (got - ref).abs()
+    bound = eps * scale * (len(inputs) + 1) + 1e-30
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the bound for {out.dtype} {op}"
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

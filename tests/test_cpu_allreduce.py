@@ -1,0 +1,204 @@
+"""The one-shot all-reduce between processes of one host over shared memory (CPU tensors)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import time
+
+import pytest
+import torch
+
+import rocenante
+from multiproc import expect_ok, run_ranks
+from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32
+
+CAPACITY = 64 << 10  # small, so that random sizes reach it often
+
+
+def _sizes(seed: int, dtype, count: int) -> list[int]:
+    limit = CAPACITY // torch.empty((), dtype=dtype).element_size()
+    rng = random.Random(seed)
+    return [1, 7, 9, limit - 1, limit] + [rng.randint(1, limit) for _ in range(count)]
+
+
+def _every_dtype_op_size(store, rank, world, seed):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+    digests = []
+    case = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for numel in _sizes(seed + case, dtype, 4):
+                case += 1
+                inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
+                x = inputs[rank].clone()
+                in_place = case % 5 == 0
+                out = x if in_place else poison(torch.empty_like(x))
+                got = comm.all_reduce(x, op=op, out=out)
+                assert got is out
+                expected = sequential_fp32(inputs, op)
+                assert torch.equal(got, expected), f"{dtype} {op} n={numel} differs from the rank-order fp32 result"
+                check_against_float64(got, inputs, op)
+                if not in_place:
+                    assert torch.equal(x, inputs[rank]), "the input was modified"
+                digests.append(digest(got))
+    comm.close()
+    return digests
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_dtype_op_and_size_matches_reference_on_every_rank(world):
+    results = expect_ok(run_ranks(world, _every_dtype_op_size, 1000 + world))
+    assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
+
+
+def _back_to_back(store, rank, world, calls):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+    rng = random.Random(7)  # same sizes on every rank
+    for i in range(calls):
+        numel = rng.randint(1, 512)
+        x = torch.randint(-(2**20), 2**20, (numel,), dtype=torch.int32, generator=torch.Generator().manual_seed(i * 8 + rank))
+        want = sum(
+            torch.randint(-(2**20), 2**20, (numel,), dtype=torch.int32, generator=torch.Generator().manual_seed(i * 8 + r))
+            for r in range(world)
+        )
+        got = comm.all_reduce(x)
+        if not torch.equal(got, want):
+            raise AssertionError(f"call {i} (n={numel}) gave a wrong sum")
+    comm.close()
+    return calls
+
+
+def test_ten_thousand_back_to_back_calls():
+    assert expect_ok(run_ranks(2, _back_to_back, 10_000)) == [10_000, 10_000]
+
+
+def _one_rank_absent(store, rank, world):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=1.0)
+    if rank == world - 1:
+        time.sleep(4.0)  # present at setup, never calls all_reduce
+        return "absent"
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(100))
+    except rocenante.PeerTimeoutError as err:
+        elapsed = time.monotonic() - start
+        assert comm.closed, "the communicator must be closed after a timeout"
+        with pytest.raises(rocenante.ClosedError):
+            comm.all_reduce(torch.ones(100))
+        return str(err), elapsed
+    raise AssertionError("all_reduce returned without the absent peer")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_absent_peer_raises_within_timeout_naming_it(world):
+    results = expect_ok(run_ranks(world, _one_rank_absent))
+    for message, elapsed in results[:-1]:
+        assert f"rank(s) {world - 1}" in message, message
+        assert 0.9 <= elapsed < 3.0, elapsed
+
+
+def _mismatch(store, rank, world, kind):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=10)
+    odd = rank == 1
+    x = torch.randn(1000 + (24 if odd and kind == "size" else 0))
+    if kind == "dtype" and odd:
+        x = x.to(torch.bfloat16)
+    op = "max" if kind == "op" and odd else "sum"
+    try:
+        comm.all_reduce(x, op=op)
+    except rocenante.CallMismatchError as err:
+        assert comm.closed
+        return str(err)
+    raise AssertionError("a mismatched call returned a result")
+
+
+@pytest.mark.parametrize("kind", ["size", "dtype", "op"])
+def test_mismatched_calls_fail_on_every_rank(kind):
+    results = expect_ok(run_ranks(3, _mismatch, kind, timeout=60))
+    assert "rank 1 called all_reduce with" in results[0], results[0]
+    assert "rank 1 called all_reduce with" in results[2], results[2]
+    assert "rank 0 called all_reduce with" in results[1], results[1]
+    if kind == "size":
+        assert "1024 x float32" in results[0] and "1000 x float32" in results[1]
+
+
+def _open_close(store, rank, world, cycles):
+    pattern = "/dev/shm/rocenante-*"
+    for i in range(cycles):
+        with rocenante.Communicator(store, rank, world, capacity_bytes=4096, timeout_s=30) as comm:
+            assert torch.equal(comm.all_reduce(torch.full((3,), float(i))), torch.full((3,), float(i * world)))
+    return sorted(glob.glob(pattern))
+
+
+def test_open_close_cycles_leave_no_shared_memory():
+    before = set(glob.glob("/dev/shm/rocenante-*"))
+    expect_ok(run_ranks(2, _open_close, 100))
+    assert set(glob.glob("/dev/shm/rocenante-*")) == before
+
+
+def _capacity_differs(store, rank, world):
+    try:
+        rocenante.Communicator(store, rank, world, capacity_bytes=4096 * (rank + 1), timeout_s=10)
+    except rocenante.RocenanteError as err:
+        return str(err)
+    raise AssertionError("ranks with different capacities connected")
+
+
+def test_different_configuration_is_refused():
+    results = expect_ok(run_ranks(2, _capacity_differs))
+    assert "rank 1 is configured differently" in results[0]
+    assert "rank 0 is configured differently" in results[1]
+
+
+def _from_group(store, rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        with rocenante.Communicator(group=dist.group.WORLD, capacity_bytes=4096) as comm:
+            return comm.all_reduce(torch.tensor([rank + 1.0]), op=dist.ReduceOp.SUM).item()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_built_from_a_process_group():
+    assert expect_ok(run_ranks(2, _from_group)) == [3.0, 3.0]
+
+
+@pytest.fixture
+def solo(tmp_path):
+    import torch.distributed as dist
+
+    comm = rocenante.Communicator(dist.FileStore(str(tmp_path / "store"), 1), 0, 1, capacity_bytes=1024, timeout_s=5)
+    yield comm
+    comm.close()
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda c: c.all_reduce(torch.ones(4, dtype=torch.float64)), TypeError, "unsupported dtype torch.float64"),
+        (lambda c: c.all_reduce(torch.ones(4), op="prod"), ValueError, "unsupported op 'prod'"),
+        (lambda c: c.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
+        (lambda c: c.all_reduce(torch.ones(257)), ValueError, "over this communicator's capacity of 1024 bytes"),
+        (lambda c: c.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"), ValueError, "avg is not defined for int32"),
+        (lambda c: c.all_reduce(torch.ones(4), out=torch.empty(5)), ValueError, "out must match the input"),
+        (lambda c: c.all_reduce([1.0, 2.0]), TypeError, "takes a torch.Tensor"),
+    ],
+)
+def test_bad_input_is_refused_clearly(solo, call, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        call(solo)
+    assert not solo.closed, "a refused argument must not close the communicator"
+    assert torch.equal(solo.all_reduce(torch.arange(5.0)), torch.arange(5.0))
+
+
+def test_gpu_communicator_refused_without_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    import torch.distributed as dist
+
+    with pytest.raises(Exception, match="CUDA|cuda"):
+        rocenante.Communicator(dist.FileStore(str(tmp_path / "s"), 1), 0, 1, device="cuda:0")
