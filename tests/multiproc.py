@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import tempfile
+import time
 import traceback
 
 
@@ -22,28 +24,30 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
 
     An exception on any rank is returned as ("error", type name, message, traceback) in that rank's place;
-    processes still running after `timeout` seconds are killed and reported as ("hung",).
+    processes still running after `timeout` seconds are killed and reported as ("hung",), and those that
+    exited without reporting as ("died", exit code).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    results: list = [("hung",)] * world
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        results: list = [("hung",)] * world
-        import queue as queue_mod
-        import time
-
         deadline = time.monotonic() + timeout
-        received = 0
-        while received < world:
+        pending = set(range(world))
+        while pending and time.monotonic() < deadline:
             try:
-                rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, value = queue.get(timeout=0.2)
             except queue_mod.Empty:
-                break
+                # A process that died without reporting (killed, os._exit) will never report.
+                for r in [r for r in pending if not procs[r].is_alive() and queue.empty()]:
+                    results[r] = ("died", procs[r].exitcode)
+                    pending.discard(r)
+                continue
             results[rank] = value if status == "ok" else ("error",) + value
-            received += 1
+            pending.discard(rank)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
             if p.is_alive():
@@ -54,8 +58,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
 
 def expect_ok(results: list) -> list:
     """Fails the test with every rank's traceback if any rank raised or hung."""
-    bad = [(r, res) for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] in ("error", "hung")]
+    bad = [(r, res) for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] in ("error", "hung", "died")]
     if bad:
-        lines = [f"rank {r}: {res[1:] if res[0] == 'error' else 'hung'}" for r, res in bad]
+        lines = [f"rank {r}: {res[0]} {res[1:]}" for r, res in bad]
         raise AssertionError("\n".join(lines))
     return results

@@ -1,0 +1,94 @@
+"""python -m rocenante.bench [--device cpu|cuda] [-n RANKS] ...: runs every arm side by side, interleaved,
+prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib is there)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rocenante.bench", description=__doc__)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU, or 2 on CPU)")
+    p.add_argument("--min-bytes", type=_size, default=None, help="default 256 on GPU, 1K on CPU")
+    p.add_argument("--max-bytes", type=_size, default=None, help="default 64M on GPU, 1M on CPU")
+    p.add_argument("--dtypes", default=None, help="comma-separated; default bfloat16,float16,float32 on GPU, float32 on CPU")
+    p.add_argument("--modes", default=None, help="graph,eager on GPU (default); eager on CPU")
+    p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all)")
+    p.add_argument("--rounds", type=int, default=25, help="measurements per arm and size")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json)")
+    p.add_argument("--no-png", action="store_true")
+    a = p.parse_args(argv)
+    gpu = a.device == "cuda"
+    a.ranks = a.ranks or (torch.cuda.device_count() if gpu else 2)
+    a.min_bytes = a.min_bytes or (256 if gpu else 1024)
+    a.max_bytes = a.max_bytes or ((64 << 20) if gpu else (1 << 20))
+    a.dtypes = (a.dtypes or ("bfloat16,float16,float32" if gpu else "float32")).split(",")
+    a.modes = (a.modes or ("graph,eager" if gpu else "eager")).split(",")
+    if not gpu and "graph" in a.modes:
+        p.error("graph mode needs --device cuda")
+    if gpu and a.ranks > torch.cuda.device_count():
+        p.error(f"{a.ranks} ranks need {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
+    if a.ranks < 2:
+        p.error("an all-reduce benchmark needs at least 2 ranks")
+    return a
+
+
+def main(argv=None) -> int:
+    import multiprocessing as mp
+    import tempfile
+
+    import rocenante
+    from rocenante import _C
+    from rocenante.bench import provenance, report, runner
+
+    a = parse_args(argv)
+    sizes, b = [], a.min_bytes
+    while b <= a.max_bytes:
+        sizes.append(b)
+        b *= 2
+    cfg = {
+        "device": a.device, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes, "rounds": a.rounds,
+        "arms": [x for x in a.arms.split(",") if x], "max_bytes": a.max_bytes, "progress": True,
+        "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
+    }
+    print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ctx.Pool(a.ranks) as pool:
+        results = pool.starmap(runner.run_rank, [(os.path.join(tmp, "store"), r, a.ranks, cfg) for r in range(a.ranks)])
+    out = results[0]
+    result = {
+        "schema": report.SCHEMA,
+        "provenance": provenance.collect(a.device),
+        "world_size": a.ranks,
+        "config": {k: v for k, v in cfg.items() if k != "progress"},
+        "rows": out["rows"],
+        "skipped": out["skipped"],
+    }
+    print()
+    print(report.format_tables(result))
+    path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{a.ranks}r.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    report.write_json(result, path)
+    print(f"wrote {path}")
+    if not a.no_png:
+        try:
+            report.plot(result, path.removesuffix(".json") + ".png")
+            print(f"wrote {path.removesuffix('.json')}.png")
+        except ImportError:
+            print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The all-reduce implementations a benchmark compares. Each arm prepares one (dtype, size) and then runs
+`ops` back-to-back all-reduces per measurement, captured in a CUDA graph or called eagerly."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Arm:
+    name = ""
+
+    def __init__(self, ctx):
+        self.ctx = ctx  # rank, world, device, communicator, process groups
+
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One all-reduce of x (into y where the arm writes out of place)."""
+        raise NotImplementedError
+
+    def prepare(self, numel: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input (filled with random data, never zeros) and output buffers of one (dtype, size)."""
+        x = torch.randn(numel, device=self.ctx.device).to(dtype)
+        return x, torch.empty_like(x)
+
+    def supports(self, nbytes: int, dtype) -> str | None:
+        """None, or why this arm does not run at this size (recorded beside the results)."""
+        return None
+
+
+class Rocenante(Arm):
+    name = "rocenante"
+
+    def call(self, x, y):
+        self.ctx.comm.all_reduce(x, out=y)
+
+    def supports(self, nbytes, dtype):
+        if nbytes > self.ctx.comm.capacity_bytes:
+            return f"over the communicator's capacity ({self.ctx.comm.capacity_bytes} bytes)"
+        return None
+
+
+class Collective(Arm):
+    """torch.distributed all_reduce on a process group (NCCL for CUDA tensors, gloo for CPU ones)."""
+
+    def __init__(self, ctx, name, group):
+        super().__init__(ctx)
+        self.name = name
+        self.group = group
+
+    def call(self, x, y):
+        dist.all_reduce(x, group=self.group)
+
+
+class SymmMem(Arm):
+    """torch SymmetricMemory one-shot (out of place) or two-shot (in place) all-reduce, on an input that lives
+    in a symmetric buffer (the op's requirement); multicast stays off."""
+
+    def __init__(self, ctx, name, group, max_bytes):
+        super().__init__(ctx)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.name = name
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.symm_mem = symm_mem
+        self.max_bytes = max_bytes
+        self.buffers: dict = {}
+        self.op = (
+            torch.ops.symm_mem.one_shot_all_reduce if name == "symm_mem_one_shot" else torch.ops.symm_mem.two_shot_all_reduce_
+        )
+
+    def prepare(self, numel, dtype):
+        if dtype not in self.buffers:
+            buf = self.symm_mem.empty(self.max_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype,
+                                      device=self.ctx.device)
+            self.symm_mem.rendezvous(buf, self.group_name)
+            self.buffers[dtype] = buf
+        x = self.buffers[dtype][:numel]
+        x.copy_(torch.randn(numel, device=self.ctx.device).to(dtype))
+        return x, x
+
+    def call(self, x, y):
+        self.op(x, "sum", self.group_name)
+
+
+def available_symm_mem_arms() -> list[str]:
+    ops = getattr(torch.ops, "symm_mem", None)
+    names = []
+    for arm, op in (("symm_mem_one_shot", "one_shot_all_reduce"), ("symm_mem_two_shot", "two_shot_all_reduce_")):
+        try:
+            getattr(ops, op)
+            names.append(arm)
+        except (AttributeError, RuntimeError):
+            pass
+    return names
