@@ -48,11 +48,16 @@ __device__ void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
   }
   // Tail chunk, or an input that is only element-aligned: element by element, zero-padded.
   w[0] = w[1] = w[2] = w[3] = 0;
-  const size_t n = min(kChunkBytes, a.bytes - begin);
+  const int n = int(min(kChunkBytes, a.bytes - begin));
+  // Constant trip counts keep w[] in registers (a run-time index would move it to local memory).
   if (dtype_size(a.dtype) == 2) {
-    for (size_t i = 0; i < n / 2; ++i) w[i / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(src)[i]) << (16 * (i % 2));
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (2 * i < n) w[i / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(src)[i]) << (16 * (i % 2));
   } else {
-    for (size_t i = 0; i < n / 4; ++i) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (4 * i < n) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
   }
 }
 
@@ -63,11 +68,15 @@ __device__ void store_chunk(const AllReduceArgs& a, size_t c, const uint32_t (&w
     *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
     return;
   }
-  const size_t n = min(kChunkBytes, a.bytes - begin);
+  const int n = int(min(kChunkBytes, a.bytes - begin));
   if (dtype_size(a.dtype) == 2) {
-    for (size_t i = 0; i < n / 2; ++i) reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(w[i / 2] >> (16 * (i % 2)));
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (2 * i < n) reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(w[i / 2] >> (16 * (i % 2)));
   } else {
-    for (size_t i = 0; i < n / 4; ++i) reinterpret_cast<uint32_t*>(dst)[i] = w[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (4 * i < n) reinterpret_cast<uint32_t*>(dst)[i] = w[i];
   }
 }
 
