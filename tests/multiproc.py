@@ -11,6 +11,9 @@ import traceback
 
 
 def _entry(fn, rank, world, store_path, args, queue):
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a crash in native code still says where it happened
     try:
         import torch.distributed as dist
 

@@ -169,9 +169,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   }
 
   // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
+  // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int j = blockIdx.x; j < kMaxBlocks; j += gridDim.x) s.epochs[j] = epoch + 1;
+  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < kMaxBlocks; j += gridDim.x * blockDim.x) s.epochs[j] = epoch + 1;
 }
 
 struct LaunchShape {

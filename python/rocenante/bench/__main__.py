@@ -47,6 +47,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     import multiprocessing as mp
     import tempfile
+    from queue import Empty
 
     import rocenante
     from rocenante import _C
@@ -64,8 +65,32 @@ def main(argv=None) -> int:
     }
     print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp, ctx.Pool(a.ranks) as pool:
-        results = pool.starmap(runner.run_rank, [(os.path.join(tmp, "store"), r, a.ranks, cfg) for r in range(a.ranks)])
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=runner.run_rank, args=(store, r, a.ranks, cfg, queue)) for r in range(a.ranks)]
+        for p in procs:
+            p.start()
+        results = {}
+        while len(results) < a.ranks:
+            try:
+                rank, value = queue.get(timeout=5)
+            except Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and queue.empty():
+                    for p in procs:
+                        p.kill()
+                    print(f"rank(s) {dead} exited without a result", file=sys.stderr)
+                    return 1
+                continue
+            results[rank] = value
+        for p in procs:
+            p.join()
+    failed = {r: v for r, v in results.items() if "error" in v}
+    if failed:
+        for r, v in sorted(failed.items()):
+            print(f"rank {r} failed:\n{v['error']}", file=sys.stderr)
+        return 1
     out = results[0]
     result = {
         "schema": report.SCHEMA,

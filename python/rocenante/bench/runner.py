@@ -158,11 +158,17 @@ def worker(store, rank, world, cfg) -> dict:
                     done = [r for r in rows if r["bytes"] == numel * esize and r["mode"] == mode and r["dtype"] == dtype_name]
                     print(f"  {dtype_name} {numel * esize} B {mode}: " +
                           ", ".join(f"{r['arm']} {r['median_us']:.2f} us" for r in done), flush=True)
+    del arms
+    dist.barrier(group=control)  # no rank frees what a peer may still be writing into
     comm.close()
     dist.destroy_process_group()
     return {"rows": rows, "skipped": skipped} if rank == 0 else {}
 
 
-def run_rank(store_path: str, rank: int, world: int, cfg: dict) -> dict:
-    """Process entry: joins the FileStore at store_path, then runs worker()."""
-    return worker(dist.FileStore(store_path, world), rank, world, cfg)
+def run_rank(store_path: str, rank: int, world: int, cfg: dict, queue) -> None:
+    """Process entry: joins the FileStore at store_path, runs worker() and puts (rank, result) on the queue."""
+    try:
+        result = worker(dist.FileStore(store_path, world), rank, world, cfg)
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    queue.put((rank, result))
