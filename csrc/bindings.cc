@@ -36,6 +36,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.attr("max_ranks") = rocenante::kMaxRanks;
   m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
+  m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init<int, int, int, size_t, double>(), py::arg("rank"), py::arg("world"), py::arg("device"),

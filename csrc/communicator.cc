@@ -48,9 +48,9 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "world size " + std::to_string(world) + " is outside 1.." + std::to_string(kMaxRanks));
   if (rank < 0 || rank >= world)
     ROCENANTE_THROW(InvalidArgument, "rank " + std::to_string(rank) + " is outside 0.." + std::to_string(world - 1));
-  if (capacity_bytes == 0 || capacity_bytes % kChunkBytes != 0 || capacity_bytes > kMaxCapacityBytes)
+  if (capacity_bytes == 0 || capacity_bytes % kCapacityGranule != 0 || capacity_bytes > kMaxCapacityBytes)
     ROCENANTE_THROW(InvalidArgument, "capacity " + std::to_string(capacity_bytes) + " bytes must be a positive multiple of " +
-                                         std::to_string(kChunkBytes) + " up to " + std::to_string(kMaxCapacityBytes));
+                                         std::to_string(kCapacityGranule) + " up to " + std::to_string(kMaxCapacityBytes));
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
   if (device_ < 0) {
     transport_ = make_shm_transport(rank, layout_);
@@ -145,7 +145,7 @@ void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType d
 }
 
 void Communicator::check() {
-  if (kernel_ && kernel_->fault() != 0) fail(kernel_->fault(), "");
+  if (!closed() && kernel_ && kernel_->fault() != 0) fail(kernel_->fault(), "");
 }
 
 void Communicator::fail(uint64_t fault, const std::string& this_call) {
@@ -156,7 +156,7 @@ void Communicator::fail(uint64_t fault, const std::string& this_call) {
     for (int p = 0; p < world_; ++p)
       if (fault_detail(fault) & (1u << p)) msg << " " << p;
     msg << "; the communicator is closed";
-    close();
+    faulted_ = true;
     ROCENANTE_THROW(PeerTimeout, msg.str());
   }
   const uint32_t sig = fault_value(fault);
@@ -164,13 +164,14 @@ void Communicator::fail(uint64_t fault, const std::string& this_call) {
       << describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig))
       << (this_call.empty() ? "" : ", this rank with " + this_call)
       << "; every rank must pass the same size, dtype and op. The communicator is closed";
-  close();
+  faulted_ = true;
   ROCENANTE_THROW(CallMismatch, msg.str());
 }
 
 void Communicator::close() {
   kernel_.reset();  // waits for our kernels before the regions they write go away
   transport_.reset();
+  faulted_ = false;
 }
 
 }  // namespace rocenante

@@ -36,7 +36,8 @@ class Communicator {
   void check();
   void close();
 
-  bool closed() const { return transport_ == nullptr; }
+  // True after close(), and after a fault (whose resources close() then frees).
+  bool closed() const { return transport_ == nullptr || faulted_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   int device() const { return device_; }
@@ -45,7 +46,7 @@ class Communicator {
 
  private:
   void validate(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op) const;
-  // Closes the communicator and throws the error that `fault` describes.
+  // Marks the communicator closed and throws the error that `fault` describes.
   [[noreturn]] void fail(uint64_t fault, const std::string& this_call);
 
   int rank_;
@@ -55,6 +56,7 @@ class Communicator {
   RegionLayout layout_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
+  bool faulted_ = false;
   uint32_t host_epoch_ = 1;  // CPU path: this call's number; the GPU path keeps its epoch on the device
 };
 

@@ -86,23 +86,23 @@ uint64_t pull_and_reduce(const AllReduceArgs& a, uint32_t epoch, uint32_t flag, 
       if (s == a.rank) {
         load_chunk(a, c, w);
       } else {
-        Line* lines = a.local + a.layout.line_index(slot, s) + c * kLinesPerChunk;
+        Line* lines = a.local + a.layout.line_index(slot, s);
         for (int l = 0; l < int(kLinesPerChunk); ++l) {
-          const uint64_t fault = receive_line(a, lines + l, s, flag, epoch, w[2 * l], w[2 * l + 1]);
+          const uint64_t fault = receive_line(a, lines + chunk_line(c, l), s, flag, epoch, w[2 * l], w[2 * l + 1]);
           if (fault != 0) {
             if (fault_kind(fault) != Fault::kPeerTimeout) return fault;
             // Name every peer still missing at this chunk, not only the first one we waited for.
             uint32_t missing = fault_detail(fault);
             for (int t = s + 1; t < a.world; ++t) {
-              Line* other = a.local + a.layout.line_index(slot, t) + c * kLinesPerChunk;
+              Line* other = a.local + a.layout.line_index(slot, t) + chunk_line(c, 0);
               if (t != a.rank && uint32_t(load_half(other, 0) >> 32) != flag) missing |= 1u << t;
             }
             return encode_fault(Fault::kPeerTimeout, missing, 0);
           }
         }
         for (int l = 0; l < int(kLinesPerChunk); ++l) {
-          store_half(lines + l, 0, 0, 0);
-          store_half(lines + l, 1, 0, 0);
+          store_half(lines + chunk_line(c, l), 0, 0, 0);
+          store_half(lines + chunk_line(c, l), 1, 0, 0);
         }
       }
       accumulate<D, Op>(acc, w, s == 0);
@@ -130,10 +130,10 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch) {
     load_chunk(a, c, w);
     for (int p = 0; p < a.world; ++p) {
       if (p == a.rank) continue;
-      Line* lines = a.peer[p] + a.layout.line_index(slot, a.rank) + c * kLinesPerChunk;
+      Line* lines = a.peer[p] + a.layout.line_index(slot, a.rank);
       for (int l = 0; l < int(kLinesPerChunk); ++l) {
-        store_half(lines + l, 0, w[2 * l], flag);
-        store_half(lines + l, 1, w[2 * l + 1], flag);
+        store_half(lines + chunk_line(c, l), 0, w[2 * l], flag);
+        store_half(lines + chunk_line(c, l), 1, w[2 * l + 1], flag);
       }
     }
   }

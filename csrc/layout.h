@@ -49,6 +49,14 @@ constexpr size_t kLinePayloadBytes = 8;
 // One unit of work (a GPU thread, a CPU loop step) reads 16 input bytes and sends them as two lines.
 constexpr size_t kChunkBytes = 16;
 constexpr size_t kLinesPerChunk = kChunkBytes / kLinePayloadBytes;
+// Chunks are laid out in groups of one warp: the group's first lines, then its second lines. A warp-wide
+// 16-byte store (or poll) then covers 512 contiguous bytes, whole sectors, instead of every other 16 bytes.
+constexpr size_t kChunksPerGroup = 32;
+ROCENANTE_HD size_t chunk_line(size_t chunk, int half) {
+  return (chunk / kChunksPerGroup) * (kChunksPerGroup * kLinesPerChunk) + half * kChunksPerGroup + chunk % kChunksPerGroup;
+}
+// Capacity is a whole number of chunk groups, so chunk_line() stays inside a source's slot.
+constexpr size_t kCapacityGranule = kChunkBytes * kChunksPerGroup;
 
 // Most ranks a communicator serves: the kernel holds one line pair per rank in registers while it waits,
 // and one-shot (every rank receives world-1 full inputs) stops paying beyond one 8-GPU host anyway.
@@ -71,7 +79,7 @@ ROCENANTE_HD uint32_t make_flag(uint32_t signature, uint32_t epoch) { return (si
 ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (flag ^ (epoch << 1)) & ~1u; }
 
 struct RegionLayout {
-  size_t capacity_bytes;  // largest payload of one call, a multiple of kChunkBytes
+  size_t capacity_bytes;  // largest payload of one call, a multiple of kCapacityGranule
   int world;
 
   ROCENANTE_HD size_t lines_per_source() const { return capacity_bytes / kLinePayloadBytes; }

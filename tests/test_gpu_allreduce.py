@@ -158,6 +158,7 @@ def _killed_peer(store, rank, world):
     except rocenante.PeerTimeoutError as err:
         elapsed = time.monotonic() - start
         assert comm.closed
+        comm.close()
         # The GPU is still usable: no sticky error, no reset.
         assert torch.ones(1000, device=f"cuda:{rank}").sum().item() == 1000
         return str(err), elapsed
@@ -178,6 +179,8 @@ def _mismatch(store, rank, world):
     try:
         comm.synchronize()
     except rocenante.CallMismatchError as err:
+        assert comm.closed
+        comm.close()
         return str(err)
     raise AssertionError("a mismatched call succeeded")
 

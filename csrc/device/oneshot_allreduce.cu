@@ -103,9 +103,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.world || p == a.rank) continue;
-      Line* dst = a.peer[p] + send_base + c * kLinesPerChunk;
-      store_line(dst, w[0], w[1], flag);
-      store_line(dst + 1, w[2], w[3], flag);
+      Line* dst = a.peer[p] + send_base;
+      store_line(dst + chunk_line(c, 0), w[0], w[1], flag);
+      store_line(dst + chunk_line(c, 1), w[2], w[3], flag);
     }
   }
 
@@ -120,9 +120,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 #pragma unroll
       for (int p = 0; p < kMaxRanks; ++p) {
         if (!(pending & (1u << p))) continue;
-        const Line* src = a.local + a.layout.line_index(slot, p) + c * kLinesPerChunk;
-        got[p][0] = load_line(src);
-        got[p][1] = load_line(src + 1);
+        const Line* src = a.local + a.layout.line_index(slot, p);
+        got[p][0] = load_line(src + chunk_line(c, 0));
+        got[p][1] = load_line(src + chunk_line(c, 1));
         const uint32_t f[4] = {got[p][0].flag0, got[p][0].flag1, got[p][1].flag0, got[p][1].flag1};
         bool arrived = true;
 #pragma unroll
@@ -157,9 +157,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
         load_chunk(a, c, w);
       } else {
         w[0] = got[p][0].data0, w[1] = got[p][0].data1, w[2] = got[p][1].data0, w[3] = got[p][1].data1;
-        Line* src = a.local + a.layout.line_index(slot, p) + c * kLinesPerChunk;
-        zero_line(src);
-        zero_line(src + 1);
+        Line* src = a.local + a.layout.line_index(slot, p);
+        zero_line(src + chunk_line(c, 0));
+        zero_line(src + chunk_line(c, 1));
       }
       accumulate<D, Op>(acc, w, p == 0);
     }

@@ -84,7 +84,8 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.capacity_bytes = _env.capacity_bytes() if capacity_bytes is None else int(capacity_bytes)
-        self.capacity_bytes = -(-self.capacity_bytes // 16) * 16  # the core moves 16-byte chunks
+        granule = _C.capacity_granule_bytes  # the core lays data out in groups of 32 chunks of 16 bytes
+        self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
         self.timeout_s = _env.timeout_s() if timeout_s is None else float(timeout_s)
         ordinal = -1 if self.device.type == "cpu" else self.device.index
         self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s)

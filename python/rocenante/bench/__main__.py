@@ -22,6 +22,7 @@ def parse_args(argv=None):
     p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU, or 2 on CPU)")
     p.add_argument("--min-bytes", type=_size, default=None, help="default 256 on GPU, 1K on CPU")
     p.add_argument("--max-bytes", type=_size, default=None, help="default 64M on GPU, 1M on CPU")
+    p.add_argument("--size-factor", type=int, default=2, help="ratio between successive sizes (default 2)")
     p.add_argument("--dtypes", default=None, help="comma-separated; default bfloat16,float16,float32 on GPU, float32 on CPU")
     p.add_argument("--modes", default=None, help="graph,eager on GPU (default); eager on CPU")
     p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all)")
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     sizes, b = [], a.min_bytes
     while b <= a.max_bytes:
         sizes.append(b)
-        b *= 2
+        b *= a.size_factor
     cfg = {
         "device": a.device, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes, "rounds": a.rounds,
         "arms": [x for x in a.arms.split(",") if x], "max_bytes": a.max_bytes, "progress": True,
@@ -84,8 +85,11 @@ def main(argv=None) -> int:
                     return 1
                 continue
             results[rank] = value
-        for p in procs:
-            p.join()
+        for p in procs:  # results are in; teardown gets a bounded time
+            p.join(timeout=60)
+            if p.is_alive():
+                print(f"rank process {p.pid} did not exit within 60 s of its result; killing it", file=sys.stderr)
+                p.kill()
     failed = {r: v for r, v in results.items() if "error" in v}
     if failed:
         for r, v in sorted(failed.items()):

@@ -83,7 +83,8 @@ def _percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def worker(store, rank, world, cfg) -> dict:
+def worker(store, rank, world, cfg, publish) -> None:
+    """Measures every arm; calls publish(result) once the measurements are done (rank 0's holds the rows)."""
     import rocenante
 
     cuda = cfg["device"] == "cuda"
@@ -158,17 +159,16 @@ def worker(store, rank, world, cfg) -> dict:
                     done = [r for r in rows if r["bytes"] == numel * esize and r["mode"] == mode and r["dtype"] == dtype_name]
                     print(f"  {dtype_name} {numel * esize} B {mode}: " +
                           ", ".join(f"{r['arm']} {r['median_us']:.2f} us" for r in done), flush=True)
+    publish({"rows": rows, "skipped": skipped} if rank == 0 else {})  # before teardown, which may be slow
     del arms
     dist.barrier(group=control)  # no rank frees what a peer may still be writing into
     comm.close()
     dist.destroy_process_group()
-    return {"rows": rows, "skipped": skipped} if rank == 0 else {}
 
 
 def run_rank(store_path: str, rank: int, world: int, cfg: dict, queue) -> None:
     """Process entry: joins the FileStore at store_path, runs worker() and puts (rank, result) on the queue."""
     try:
-        result = worker(dist.FileStore(store_path, world), rank, world, cfg)
+        worker(dist.FileStore(store_path, world), rank, world, cfg, lambda result: queue.put((rank, result)))
     except BaseException:
-        result = {"error": traceback.format_exc()}
-    queue.put((rank, result))
+        queue.put((rank, {"error": traceback.format_exc()}))
