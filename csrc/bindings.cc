@@ -46,7 +46,7 @@ PYBIND11_MODULE(_C, m) {
       .def("all_connected", &Communicator::all_connected)
       .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def("check", &Communicator::check)
+      .def("check", &Communicator::check, py::call_guard<py::gil_scoped_release>())
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("rank", &Communicator::rank)
