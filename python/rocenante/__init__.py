@@ -1,5 +1,7 @@
 """rocenante: one-shot all-reduce for tensor-parallel inference on small GPU clusters."""
 
+import torch  # noqa: F401  (first: a CUDA build of torch loads the CUDA runtime that rocenante._C shares)
+
 from rocenante._C import (
     CallMismatchError,
     ClosedError,
