@@ -29,6 +29,15 @@ _OPS = {
 }
 
 
+def _public_current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# The current CUDA stream of a device as an integer. CUDA builds of torch have a private accessor (the one its
+# compiler's generated code calls) that skips building a torch.cuda.Stream object on every call.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _public_current_stream)
+
+
 def _lookup_op(op) -> "_C.ReduceOp":
     try:
         return _OPS[op]
@@ -121,22 +130,20 @@ class Communicator:
         if not isinstance(x, torch.Tensor) and hasattr(x, "__cuda_array_interface__"):
             return self._all_reduce_cuda_array(x, op, out)
         out = self._check(x, out)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        stream = _current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
         self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
         return out
 
     def _all_reduce_cuda_array(self, x, op, out):
+        """CuPy (or any __cuda_array_interface__) arrays: viewed as tensors, run on CuPy's current stream."""
         import cupy
 
         if out is None:
             out = cupy.empty_like(x)
-        tx = torch.as_tensor(x, device=self.device)
-        tout = torch.as_tensor(out, device=self.device)
+        tx, tout = torch.as_tensor(x, device=self.device), torch.as_tensor(out, device=self.device)
         self._check(tx, tout)
-        self._c.all_reduce(
-            tx.data_ptr(), tout.data_ptr(), tx.numel(), _DTYPES[tx.dtype], _lookup_op(op),
-            cupy.cuda.get_current_stream().ptr,
-        )
+        stream = cupy.cuda.get_current_stream().ptr
+        self._c.all_reduce(tx.data_ptr(), tout.data_ptr(), tx.numel(), _DTYPES[tx.dtype], _lookup_op(op), stream)
         return out
 
     def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
