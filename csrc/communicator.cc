@@ -36,9 +36,14 @@ struct Config {
   uint32_t world;
   uint64_t capacity_bytes;
   int32_t on_gpu;
-  uint32_t reserved;
+  uint32_t zero;  // explicit padding, always 0, so that memcmp compares only bytes we set
 };
 constexpr uint32_t kConfigMagic = 0x524f4331;  // "ROC1": bump when the protocol changes
+static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
+
+Config config_of(int world, size_t capacity_bytes, int device) {
+  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, 0};
+}
 
 }  // namespace
 
@@ -64,7 +69,7 @@ Communicator::~Communicator() { close(); }
 
 std::string Communicator::local_handle() const {
   if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
-  const Config c{kConfigMagic, uint32_t(world_), layout_.capacity_bytes, device_ >= 0, 0};
+  const Config c = config_of(world_, layout_.capacity_bytes, device_);
   return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) + transport_->local_handle();
 }
 
@@ -72,7 +77,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
   if (int(handles.size()) != world_)
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
-  const Config mine{kConfigMagic, uint32_t(world_), layout_.capacity_bytes, device_ >= 0, 0};
+  const Config mine = config_of(world_, layout_.capacity_bytes, device_);
   std::vector<std::string> transport_handles(world_);
   for (int p = 0; p < world_; ++p) {
     Config theirs{};
