@@ -9,7 +9,12 @@ from rocenante._C import (
     PeerTimeoutError,
     RocenanteError,
 )
+from rocenante.backend import register as _register_backend
+from rocenante.backend import status
 from rocenante.communicator import Communicator
+from rocenante import ops  # noqa: F401  (defines torch.ops.rocenante.all_reduce)
+
+_register_backend()
 
 __all__ = [
     "CallMismatchError",
@@ -18,5 +23,6 @@ __all__ = [
     "InvalidArgument",
     "PeerTimeoutError",
     "RocenanteError",
+    "status",
 ]
 __version__ = "0.1.0"

@@ -34,3 +34,22 @@ def timeout_s() -> float:
 def capacity_bytes() -> int:
     """ROCENANTE_CAPACITY_BYTES: largest all-reduce a communicator serves, in bytes."""
     return _positive("ROCENANTE_CAPACITY_BYTES", int, DEFAULT_CAPACITY_BYTES)
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={raw!r}: use 1 or 0")
+
+
+def disabled() -> bool:
+    """ROCENANTE_DISABLE=1: the torch.distributed backend delegates every collective (NCCL / gloo)."""
+    return _flag("ROCENANTE_DISABLE")
+
+
+def strict() -> bool:
+    """ROCENANTE_STRICT=1: the backend raises instead of falling back when its startup self-test fails."""
+    return _flag("ROCENANTE_STRICT")

@@ -95,7 +95,9 @@ def worker(store, rank, world, cfg, publish) -> None:
     control = dist.group.WORLD
     comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"])
     ctx = Context(rank, world, device, comm)
-    arms: list = [arms_mod.Rocenante(ctx)]
+    # dist.all_reduce through the "rocenante" torch.distributed backend: the communicator plus dispatch.
+    backend_group = dist.new_group(backend="rocenante")
+    arms: list = [arms_mod.Rocenante(ctx), arms_mod.Collective(ctx, "rocenante_backend", backend_group)]
     skipped: dict = {}
     if cuda:
         nccl = dist.new_group(backend="nccl")

@@ -1,0 +1,261 @@
+"""The torch.distributed backend "rocenante", registered on `import rocenante`.
+
+    dist.init_process_group(backend="rocenante")
+
+The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the capacity)
+through a rocenante Communicator and delegates everything else to a gloo group (CPU tensors) or an NCCL group
+(CUDA tensors) built on the same store. Collectives it does not override reach those groups directly, as the
+backends registered for their device. Eligibility depends only on what every rank shares (dtype, size, op,
+configuration), so ranks never take different paths.
+
+At creation each device type runs a startup self-test: every rank checks its configuration, then the group
+builds a Communicator and all-reduces known data; the verdict is agreed through the store, so either every
+rank uses rocenante for that device type or every rank falls back. `rocenante.status(group)` tells which
+and why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import socket
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, Work
+from torch.futures import Future
+
+from rocenante import _env
+from rocenante.communicator import _DTYPES, Communicator
+
+logger = logging.getLogger("rocenante")
+
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+
+
+class _DoneWork(Work):
+    """Work of a rocenante all-reduce. On the CPU it has completed; on CUDA it is enqueued on the stream that was
+    current at the call, so waiting means ordering the caller's current stream after that one."""
+
+    def __init__(self, tensors, stream=None):
+        super().__init__()
+        self._tensors = tensors
+        self._stream = stream
+
+    def wait(self, timeout=None):
+        if self._stream is not None and torch.cuda.current_stream(self._stream.device) != self._stream:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return True
+
+    def get_future(self):
+        future = Future()
+        future.set_result(self._tensors)
+        return future
+
+
+def _agree(store, key: str, rank: int, size: int, mine: dict, timeout: datetime.timedelta) -> list[dict]:
+    """Every rank publishes `mine` under key; returns all ranks' entries, in rank order."""
+    store.set(f"{key}/{rank}", json.dumps(mine))
+    keys = [f"{key}/{r}" for r in range(size)]
+    store.wait(keys, timeout)
+    return [json.loads(store.get(k)) for k in keys]
+
+
+class RocenanteProcessGroup(dist.ProcessGroup):
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
+        super().__init__(rank, size)
+        self._fallback = {"cpu": ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)}
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._fallback["cpu"])
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        if torch.cuda.is_available() and dist.is_nccl_available():
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            options = ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            nccl = ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+            self._fallback["cuda"] = nccl
+        self._comms: dict[str, Communicator] = {}
+        self._status: dict[str, dict] = {}
+        for device_type in self._fallback:
+            self._start(store, rank, size, device_type, timeout)
+
+    def getBackendName(self) -> str:
+        return "rocenante"
+
+    # ---- startup self-test ----
+
+    def _start(self, store, rank, size, device_type, timeout) -> None:
+        key = f"rocenante/selftest/{device_type}"
+        local = self._local_check(device_type)
+        checks = _agree(store, f"{key}/config", rank, size, local, timeout)
+        reason = self._disagreement(checks)
+        if reason is None:
+            comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
+            try:
+                comm = Communicator(comm_store, rank, size, device=local["device"],
+                                    capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"])
+                local = {"ok": True}
+                self._run_self_test(comm, device_type, rank, size)
+            except Exception as err:  # any failure means fallback, for every rank
+                local = {"ok": False, "why": f"{type(err).__name__}: {err}"}
+                comm = None
+            results = _agree(store, f"{key}/result", rank, size, local, timeout)
+            failed = [f"rank {r}: {x['why']}" for r, x in enumerate(results) if not x["ok"]]
+            if failed:
+                reason = "self-test failed: " + "; ".join(failed)
+                if comm is not None:
+                    comm.close()
+            else:
+                self._comms[device_type] = comm
+        fallback = "gloo" if device_type == "cpu" else "nccl"
+        self._status[device_type] = {
+            "active": reason is None,
+            "reason": reason or "self-test passed on every rank",
+            "threshold_bytes": self._comms[device_type].capacity_bytes if reason is None else 0,
+            "fallback": fallback,
+        }
+        if reason is not None:
+            if _env.strict():
+                raise RuntimeError(f"rocenante ({device_type}): {reason} (ROCENANTE_STRICT=1)")
+            if rank == 0:
+                logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, reason)
+
+    @staticmethod
+    def _local_check(device_type: str) -> dict:
+        """What this rank can tell alone: its configuration, or why it cannot take part."""
+        entry = {"ok": True, "host": socket.gethostname()}
+        try:
+            if _env.disabled():
+                return {**entry, "ok": False, "why": "disabled by ROCENANTE_DISABLE=1"}
+            entry.update(capacity_bytes=_env.capacity_bytes(), timeout_s=_env.timeout_s())
+            if device_type == "cpu":
+                entry["device"] = "cpu"
+            else:
+                index = torch.cuda.current_device()
+                entry["device"] = f"cuda:{index}"
+                entry["gpu"] = str(torch.cuda.get_device_properties(index).uuid)
+        except Exception as err:
+            return {**entry, "ok": False, "why": f"{type(err).__name__}: {err}"}
+        return entry
+
+    @staticmethod
+    def _disagreement(checks: list[dict]) -> str | None:
+        failed = [f"rank {r}: {c['why']}" for r, c in enumerate(checks) if not c["ok"]]
+        if failed:
+            return "; ".join(failed)
+        hosts = {c["host"] for c in checks}
+        if len(hosts) > 1:
+            return f"ranks span {len(hosts)} hosts ({', '.join(sorted(hosts))}); rocenante needs one host"
+        gpus = [c.get("gpu") for c in checks]
+        if gpus[0] is not None and len(set(gpus)) < len(gpus):
+            shared = sorted({g for g in gpus if gpus.count(g) > 1})
+            ranks = [r for r, g in enumerate(gpus) if g in shared]
+            # One kernel per rank spins until every peer's data arrives: two ranks on one GPU would wait forever.
+            return f"ranks {ranks} share a GPU (call torch.cuda.set_device(local_rank) before init_process_group)"
+        for field in ("capacity_bytes", "timeout_s"):
+            values = [c[field] for c in checks]
+            if len(set(values)) > 1:
+                return f"ranks disagree on {field}: {values}"
+        return None
+
+    @staticmethod
+    def _run_self_test(comm: Communicator, device_type: str, rank: int, size: int) -> None:
+        """A real all-reduce of known data (float32 and bfloat16, a tail that is not a whole chunk). Values stay
+        small integers (every sum <= 16 * 8 + 28 < 256), exact in bfloat16 for up to 8 ranks."""
+        device = comm.device
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.arange(1000, dtype=torch.float32, device=device) % 17 + rank).to(dtype)
+            want = torch.arange(1000, dtype=torch.float32, device=device) % 17 * size + size * (size - 1) // 2
+            got = comm.all_reduce(x)
+            comm.synchronize()
+            if not torch.equal(got.float(), want):
+                raise RuntimeError(f"{device_type} self-test all-reduce of {dtype} gave a wrong result")
+
+    # ---- collectives ----
+
+    def _eligible(self, t: torch.Tensor, op: str | None) -> Communicator | None:
+        """The communicator that serves this all-reduce, or None. Only rank-shared facts decide."""
+        comm = self._comms.get(t.device.type)
+        if (
+            comm is not None
+            and op is not None
+            and t.dtype in _DTYPES
+            and not (op == "avg" and t.dtype == torch.int32)
+            and not t.is_sparse
+            and 0 < t.numel() * t.element_size() <= comm.capacity_bytes
+        ):
+            return comm
+        return None
+
+    def allreduce(self, tensors, opts=None):
+        opts = AllreduceOptions() if opts is None else opts
+        t = tensors[0]
+        op = _OPS.get(opts.reduceOp.op)  # the RedOpType enum: ReduceOp objects do not hash by value
+        comm = self._eligible(t, op) if len(tensors) == 1 else None
+        if comm is None:
+            return self._fallback[t.device.type].allreduce(tensors, opts)
+        dense = t if t.is_contiguous() else t.contiguous()
+        comm.all_reduce(dense, op=op, out=dense)
+        if dense is not t:
+            t.copy_(dense)
+        return _DoneWork(tensors, torch.cuda.current_stream(t.device) if t.is_cuda else None)
+
+    def all_reduce_out_of_place(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
+        comm = self._eligible(x, op)
+        if comm is not None:
+            return comm.all_reduce(x.contiguous(), op=op)
+        out = x.clone(memory_format=torch.contiguous_format)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp({v: k for k, v in _OPS.items()}[op])
+        self._fallback[x.device.type].allreduce([out], opts).wait()
+        return out
+
+    def _delegate(self, tensor):
+        return self._fallback[tensor.device.type]
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._delegate(tensors[0]).allreduce_coalesced(tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        return self._delegate(input_tensors[0]).allgather(output_tensors, input_tensors, opts)
+
+    def broadcast(self, tensors, opts):
+        return self._delegate(tensors[0]).broadcast(tensors, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        return self._delegate(output_tensors[0]).reduce_scatter(output_tensors, input_tensors, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._delegate(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def send(self, tensors, dst, tag):
+        return self._delegate(tensors[0]).send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        return self._delegate(tensors[0]).recv(tensors, src, tag)
+
+    def barrier(self, opts):
+        return self._fallback["cpu"].barrier(opts)
+
+    def status(self) -> dict:
+        return {device: dict(s) for device, s in self._status.items()}
+
+
+def _create(store, rank, size, timeout):
+    return RocenanteProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    if "ROCENANTE" not in dist.Backend._plugins:
+        dist.Backend.register_backend("rocenante", _create, devices=["cpu", "cuda"])
+
+
+def status(group=None) -> dict:
+    """Per device type: whether rocenante serves all-reduces in `group` (default: the world), and why."""
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, RocenanteProcessGroup):
+        raise ValueError(f"group uses backend {dist.get_backend(pg)!r}, not 'rocenante'")
+    return pg.status()

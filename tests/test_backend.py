@@ -1,0 +1,291 @@
+"""The torch.distributed backend "rocenante" on CPU: one-shot all-reduce through dist.all_reduce, delegation
+of every other collective to gloo, the startup self-test and its collective fallback, torch.compile."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from multiproc import expect_ok, run_ranks
+from reference import check_against_float64, make_input, sequential_fp32
+
+
+def _init(store, rank, world, env=None):
+    import torch.distributed as dist
+
+    os.environ.update(env or {})
+    import rocenante  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    return dist.group.WORLD
+
+
+def _spy(pg):
+    """Counts the all-reduces that the rocenante communicator serves."""
+    comm = pg._comms["cpu"]
+    calls = []
+    original = comm.all_reduce
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    comm.all_reduce = counted
+    return calls
+
+
+def _every_collective(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    pg = _init(store, rank, world)
+    assert dist.get_backend() == "rocenante"
+    st = rocenante.status()
+    assert st["cpu"]["active"], st
+    threshold = st["cpu"]["threshold_bytes"]
+    calls = _spy(pg)
+
+    # Eligible all-reduces run the one-shot, with the exact rank-order result.
+    for case, (dtype, op, numel) in enumerate([
+        (torch.float32, dist.ReduceOp.SUM, 1), (torch.bfloat16, dist.ReduceOp.SUM, 4099),
+        (torch.float16, dist.ReduceOp.AVG, 333), (torch.float32, dist.ReduceOp.MAX, threshold // 4),
+        (torch.int32, dist.ReduceOp.MIN, 77),
+    ]):
+        name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}[op]
+        inputs = [make_input(5, case, r, numel, dtype) for r in range(world)]
+        x = inputs[rank].clone()
+        before = len(calls)
+        dist.all_reduce(x, op=op)
+        assert len(calls) == before + 1, f"{dtype} {name} n={numel} did not use rocenante"
+        assert torch.equal(x, sequential_fp32(inputs, name)), f"{dtype} {name} n={numel}"
+
+    # A non-contiguous tensor is served too (through a contiguous copy), so layout never splits the ranks.
+    base = torch.arange(12.0).reshape(3, 4) + rank
+    col = base[:, 1]
+    dist.all_reduce(col)
+    assert torch.equal(base[:, 1], torch.tensor([1.0, 5.0, 9.0]) * world + sum(range(world)))
+
+    # Ineligible all-reduces go to gloo and are still right.
+    before = len(calls)
+    big = make_input(6, 0, rank, threshold // 4 + 1, torch.float32)
+    dist.all_reduce(big)
+    check_against_float64(big, [make_input(6, 0, r, threshold // 4 + 1, torch.float32) for r in range(world)], "sum")
+    prod = torch.full((5,), 2.0)
+    dist.all_reduce(prod, op=dist.ReduceOp.PRODUCT)
+    assert torch.equal(prod, torch.full((5,), 2.0**world))
+    f64 = torch.full((3,), float(rank))
+    dist.all_reduce(f64.double())
+    assert len(calls) == before, "ineligible all-reduces must not reach the communicator"
+
+    # async_op returns a Work that waits and has a future.
+    y = torch.ones(8)
+    work = dist.all_reduce(y, async_op=True)
+    work.wait()
+    assert torch.equal(work.get_future().wait()[0], torch.full((8,), float(world)))
+
+    # Every other collective, delegated.
+    t = torch.full((4,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    assert torch.equal(t, torch.full((4,), float(world - 1)))
+    gathered = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)))
+    assert all(torch.equal(g, torch.full((2,), float(r))) for r, g in enumerate(gathered))
+    flat = torch.empty(2 * world)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+    assert torch.equal(flat, torch.arange(world).float().repeat_interleave(2))
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, torch.arange(2.0 * world))
+    assert torch.equal(out, torch.arange(2.0 * rank, 2.0 * rank + 2) * world)
+    a2a_out = torch.empty(world)
+    dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
+    assert torch.equal(a2a_out, torch.arange(world).float() * 10 + rank)
+    lists_out = [torch.empty(1) for _ in range(world)]
+    dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)]) for r in range(world)])
+    assert [v.item() for v in lists_out] == [float(r * 10 + rank) for r in range(world)]
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.tensor([42.0]), dst=1)
+    elif rank == 1:
+        got = torch.empty(1)
+        dist.recv(got, src=0)
+        assert got.item() == 42.0
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(world)]
+    box = [f"from {rank}"]
+    dist.broadcast_object_list(box, src=0)
+    assert box == ["from 0"]
+    red = torch.full((3,), float(rank + 1))
+    dist.reduce(red, dst=0)
+    if rank == 0:
+        assert torch.equal(red, torch.full((3,), float(world * (world + 1) // 2)))
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_uses_rocenante_and_every_other_collective_is_delegated(world):
+    assert expect_ok(run_ranks(world, _every_collective, timeout=300)) == [True] * world
+
+
+def _train(store, rank, world, backend):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rocenante  # noqa: F401
+
+    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = ddp(torch.randn(16, 32, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+    params = [p.detach().numpy().tobytes() for p in model.parameters()]  # exact bits, plain bytes to the parent
+    dist.destroy_process_group()
+    return params
+
+
+def _ddp_both(store, rank, world):
+    return _train(store, rank, world, "rocenante"), _train(store, rank, world, "gloo")
+
+
+def test_ddp_training_matches_gloo_bitwise():
+    # With 2 ranks both backends add the same two fp32 gradients (a + b == b + a), so parameters are bitwise equal.
+    for ours, theirs in expect_ok(run_ranks(2, _ddp_both, timeout=300)):
+        assert ours == theirs
+
+
+def _fallback(store, rank, world, env_by_rank, strict):
+    import torch.distributed as dist
+
+    import rocenante
+
+    env = dict(env_by_rank.get(rank, {}))
+    if strict:
+        env["ROCENANTE_STRICT"] = "1"
+    try:
+        _init(store, rank, world, env)
+    except RuntimeError as err:
+        return ("raised", str(err))
+    st = rocenante.status()["cpu"]
+    x = torch.full((100,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((100,), float(world * (world + 1) // 2)))
+    dist.destroy_process_group()
+    return ("fell back" if not st["active"] else "active", st["reason"])
+
+
+def test_self_test_failure_on_one_rank_makes_every_rank_fall_back():
+    results = expect_ok(run_ranks(3, _fallback, {1: {"ROCENANTE_TIMEOUT_S": "soon"}}, False, timeout=300))
+    for state, reason in results:
+        assert state == "fell back"
+        assert "rank 1: ValueError: ROCENANTE_TIMEOUT_S='soon' is not a number" in reason, reason
+
+
+def test_disable_forces_fallback():
+    results = expect_ok(run_ranks(2, _fallback, {0: {"ROCENANTE_DISABLE": "1"}, 1: {"ROCENANTE_DISABLE": "1"}}, False))
+    assert all(state == "fell back" and "ROCENANTE_DISABLE=1" in reason for state, reason in results)
+
+
+def test_strict_raises_on_every_rank_instead_of_falling_back():
+    results = expect_ok(run_ranks(2, _fallback, {0: {"ROCENANTE_CAPACITY_BYTES": "-5"}}, True))
+    for state, reason in results:
+        assert state == "raised"
+        assert "ROCENANTE_STRICT=1" in reason and "rank 0: ValueError: ROCENANTE_CAPACITY_BYTES='-5'" in reason
+
+
+def _reinit_and_new_group(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    for round_ in range(2):  # a second init after destroy works
+        dist.init_process_group("rocenante", store=dist.PrefixStore(f"round{round_}", store), rank=rank, world_size=world)
+        x = torch.ones(4)
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((4,), float(world)))
+        sub = dist.new_group([0, 1], backend="rocenante")
+        if rank in (0, 1):
+            y = torch.full((4,), 5.0)
+            dist.all_reduce(y, group=sub)
+            assert torch.equal(y, torch.full((4,), 10.0))
+            assert rocenante.status(sub)["cpu"]["active"]
+        dist.destroy_process_group()
+    return True
+
+
+def test_second_init_after_destroy_and_new_group():
+    assert expect_ok(run_ranks(3, _reinit_and_new_group, timeout=300)) == [True] * 3
+
+
+def _compiled(store, rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    pg = _init(store, rank, world)
+    calls = _spy(pg)
+
+    @torch.compile(fullgraph=True)
+    def step(a, b):
+        dist.all_reduce(a)
+        c = fc.all_reduce(b * 2, "sum", dist.group.WORLD)
+        d = torch.ops.rocenante.all_reduce(b + 1, "max", dist.group.WORLD.group_name)
+        return a + 1, c, d
+
+    for i in range(3):  # fresh inputs on each call
+        a, b = torch.full((8,), float(rank + i)), torch.full((8,), float(rank * 3 + i))
+        ra, rc, rd = step(a, b)
+        assert torch.equal(ra, torch.full((8,), float(sum(r + i for r in range(world)) + 1)))
+        assert torch.equal(rc, torch.full((8,), float(sum(2 * (r * 3 + i) for r in range(world)))))
+        assert torch.equal(rd, torch.full((8,), float((world - 1) * 3 + i + 1)))
+    assert len(calls) == 9, f"{len(calls)} of 9 compiled all-reduces went through rocenante"
+    dist.destroy_process_group()
+    return True
+
+
+def test_torch_compile_fullgraph_all_reduce_functional_and_custom_op():
+    assert expect_ok(run_ranks(2, _compiled, timeout=600)) == [True, True]
+
+
+def test_torchrun_launch():
+    script = os.path.join(os.path.dirname(__file__), "torchrun_script.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), script],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("rocenante torchrun OK") == 2, proc.stdout[-3000:]
+
+
+def _init_method(store, rank, world, init_method):
+    import torch.distributed as dist
+
+    import rocenante  # noqa: F401
+
+    dist.init_process_group("rocenante", init_method=init_method, rank=rank, world_size=world)
+    x = torch.full((10,), float(rank + 1))
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return x.tolist()
+
+
+def test_tcp_and_file_init_methods(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for init in (f"tcp://127.0.0.1:{port}", f"file://{tmp_path}/rendezvous"):
+        assert expect_ok(run_ranks(2, _init_method, init, timeout=120)) == [[3.0] * 10] * 2, init
