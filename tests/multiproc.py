@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import tempfile
 import time
 import traceback
@@ -14,6 +15,7 @@ def _entry(fn, rank, world, store_path, args, queue):
     import faulthandler
 
     faulthandler.enable(all_threads=True)  # a crash in native code still says where it happened
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a hung rank, when the parent asks
     try:
         import torch.distributed as dist
 
@@ -51,6 +53,10 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
                 continue
             results[rank] = value if status == "ok" else ("error",) + value
             pending.discard(rank)
+        for r in pending:
+            if procs[r].is_alive():
+                os.kill(procs[r].pid, signal.SIGUSR1)  # print where it hangs before it is killed
+                time.sleep(0.5)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
             if p.is_alive():

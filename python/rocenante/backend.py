@@ -16,10 +16,12 @@ and why.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -243,8 +245,32 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     def status(self) -> dict:
         return {device: dict(s) for device, s in self._status.items()}
 
+    def shutdown(self) -> None:
+        """Called by destroy_process_group: releases the communicators; the delegate groups are retired."""
+        for comm in self._comms.values():
+            comm.close()
+        self._comms.clear()
+        _retired.extend(self._fallback.values())
+        super().shutdown()
+
+
+# Delegate groups of destroyed process groups, freed later by _free_retired(). Freeing a gloo group joins its
+# worker threads; a worker may still be dropping its last work item, which takes the GIL, so freeing it right
+# away from Python (GIL held) can deadlock. Later, after a sleep that lets workers take the GIL, it cannot.
+_retired: list = []
+
+
+def _free_retired() -> None:
+    if _retired:
+        time.sleep(0.01)
+        _retired.clear()
+
+
+atexit.register(_free_retired)
+
 
 def _create(store, rank, size, timeout):
+    _free_retired()
     return RocenanteProcessGroup(store, rank, size, timeout)
 
 

@@ -1,0 +1,132 @@
+"""The "rocenante" torch.distributed backend on 2 GPUs: CUDA all-reduce through the kernel, NCCL for the rest,
+CUDA graphs, torch.compile, DDP against NCCL, and the collective fallback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from multiproc import expect_ok, run_ranks
+from reference import make_input, sequential_fp32
+
+pytestmark = pytest.mark.gpu
+
+
+def _init(store, rank, world, backend="rocenante", env=None):
+    import torch.distributed as dist
+
+    os.environ.update(env or {})
+    import rocenante  # noqa: F401
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
+    return dist.group.WORLD
+
+
+def _cuda_paths(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    pg = _init(store, rank, world)
+    st = rocenante.status()
+    assert st["cuda"]["active"] and st["cpu"]["active"], st
+    dev = torch.device("cuda", rank)
+    calls = []
+    comm = pg._comms["cuda"]
+    original = comm.all_reduce
+    comm.all_reduce = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+
+    inputs = [make_input(8, 0, r, 5000, torch.bfloat16) for r in range(world)]
+    x = inputs[rank].to(dev)
+    dist.all_reduce(x)
+    assert len(calls) == 1 and torch.equal(x.cpu(), sequential_fp32(inputs, "sum"))
+    big = torch.ones(st["cuda"]["threshold_bytes"] // 4 + 1, device=dev)
+    dist.all_reduce(big)  # over the threshold: NCCL
+    assert len(calls) == 1 and torch.equal(big, torch.full_like(big, float(world)))
+
+    # CUDA graph capture of dist.all_reduce, replayed with new inputs.
+    g_in = torch.empty(4099, dtype=torch.bfloat16, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        dist.all_reduce(g_in)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(g_in)
+    for i in range(100):
+        per_rank = [make_input(i, 1, r, 4099, torch.bfloat16) for r in range(world)]
+        g_in.copy_(per_rank[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_in.cpu(), sequential_fp32(per_rank, "sum")), f"replay {i}"
+
+    # torch.compile, fullgraph: dist.all_reduce and the custom op.
+    @torch.compile(fullgraph=True)
+    def step(a):
+        dist.all_reduce(a)
+        return torch.ops.rocenante.all_reduce(a * 2, "max", dist.group.WORLD.group_name)
+
+    got = step(torch.full((64,), float(rank + 1), device=dev))
+    assert torch.equal(got, torch.full((64,), 2.0 * world * (world + 1) / 2, device=dev))
+    dist.destroy_process_group()
+    return True
+
+
+def test_cuda_all_reduce_graphs_and_compile_through_the_backend():
+    assert expect_ok(run_ranks(2, _cuda_paths, timeout=600)) == [True, True]
+
+
+def _train(store, rank, world, backend):
+    import time
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(store, rank, world, backend)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
+    ddp = DDP(model, device_ids=[rank])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator(device="cuda").manual_seed(7 + rank)
+    for _ in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(32, 64, device="cuda", generator=g)).square().mean().backward()
+        opt.step()
+    params = [p.detach().cpu().numpy().tobytes() for p in model.parameters()]
+    time.sleep(0.1)  # see tests/test_backend.py: let gloo workers finish before the groups are freed
+    dist.destroy_process_group()
+    return params
+
+
+def _ddp_both(store, rank, world):
+    return _train(store, rank, world, "rocenante"), _train(store, rank, world, "nccl")
+
+
+def test_ddp_matches_nccl_bitwise():
+    # 2 ranks: both backends add the same two fp32 gradients once (a + b == b + a): bitwise equal parameters.
+    for ours, theirs in expect_ok(run_ranks(2, _ddp_both, timeout=600)):
+        assert ours == theirs
+
+
+def _injected(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    _init(store, rank, world, env={"ROCENANTE_TIMEOUT_S": "never"} if rank == 1 else None)
+    st = rocenante.status()["cuda"]
+    x = torch.full((1000,), float(rank + 1), device=f"cuda:{rank}")
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, 3.0))
+    dist.destroy_process_group()
+    return st
+
+
+def test_fallback_injected_on_one_rank_moves_every_rank_to_nccl():
+    for st in expect_ok(run_ranks(2, _injected, timeout=300)):
+        assert not st["active"] and st["fallback"] == "nccl"
+        assert "rank 1: ValueError: ROCENANTE_TIMEOUT_S='never'" in st["reason"], st
