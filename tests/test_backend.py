@@ -7,11 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from ddp import train
 from multiproc import expect_ok, run_ranks
 from reference import check_against_float64, make_input, sequential_fp32
 
@@ -135,33 +135,8 @@ def test_all_reduce_uses_rocenante_and_every_other_collective_is_delegated(world
     assert expect_ok(run_ranks(world, _every_collective, timeout=300)) == [True] * world
 
 
-def _train(store, rank, world, backend):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import rocenante  # noqa: F401
-
-    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(5):
-        opt.zero_grad()
-        loss = ddp(torch.randn(16, 32, generator=g)).square().mean()
-        loss.backward()
-        opt.step()
-    params = [p.detach().numpy().tobytes() for p in model.parameters()]  # exact bits, plain bytes to the parent
-    # torch's gloo workers drop finished work items under the GIL; freeing a gloo group (here with the DDP
-    # reducer, when this frame ends) joins those workers while holding the GIL. Let them finish first.
-    time.sleep(0.1)
-    dist.destroy_process_group()
-    return params
-
-
 def _ddp_both(store, rank, world):
-    return _train(store, rank, world, "rocenante"), _train(store, rank, world, "gloo")
+    return train(store, rank, world, "rocenante", "cpu"), train(store, rank, world, "gloo", "cpu")
 
 
 def test_ddp_training_matches_gloo_bitwise():

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from ddp import train
 from multiproc import expect_ok, run_ranks
 from reference import make_input, sequential_fp32
 
@@ -80,30 +81,8 @@ def test_cuda_all_reduce_graphs_and_compile_through_the_backend():
     assert expect_ok(run_ranks(2, _cuda_paths, timeout=600)) == [True, True]
 
 
-def _train(store, rank, world, backend):
-    import time
-
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    _init(store, rank, world, backend)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).cuda()
-    ddp = DDP(model, device_ids=[rank])
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator(device="cuda").manual_seed(7 + rank)
-    for _ in range(5):
-        opt.zero_grad()
-        ddp(torch.randn(32, 64, device="cuda", generator=g)).square().mean().backward()
-        opt.step()
-    params = [p.detach().cpu().numpy().tobytes() for p in model.parameters()]
-    time.sleep(0.1)  # see tests/test_backend.py: let gloo workers finish before the groups are freed
-    dist.destroy_process_group()
-    return params
-
-
 def _ddp_both(store, rank, world):
-    return _train(store, rank, world, "rocenante"), _train(store, rank, world, "nccl")
+    return train(store, rank, world, "rocenante", "cuda"), train(store, rank, world, "nccl", "cuda")
 
 
 def test_ddp_matches_nccl_bitwise():
