@@ -95,14 +95,14 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         reason = self._disagreement(checks)
         if reason is None:
             comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
+            comm = None
             try:
                 comm = Communicator(comm_store, rank, size, device=local["device"],
                                     capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"])
-                local = {"ok": True}
                 self._run_self_test(comm, device_type, rank, size)
+                local = {"ok": True}
             except Exception as err:  # any failure means fallback, for every rank
                 local = {"ok": False, "why": f"{type(err).__name__}: {err}"}
-                comm = None
             results = _agree(store, f"{key}/result", rank, size, local, timeout)
             failed = [f"rank {r}: {x['why']}" for r, x in enumerate(results) if not x["ok"]]
             if failed:
