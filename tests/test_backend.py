@@ -107,8 +107,12 @@ def _every_collective(store, rank, world):
     dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
     assert torch.equal(a2a_out, torch.arange(world).float() * 10 + rank)
     lists_out = [torch.empty(1) for _ in range(world)]
-    dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)]) for r in range(world)])
-    assert [v.item() for v in lists_out] == [float(r * 10 + rank) for r in range(world)]
+    try:
+        dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)]) for r in range(world)])
+    except RuntimeError as err:  # older torch's gloo has no list all_to_all: the delegate's own error surfaces
+        assert "gloo does not support alltoall" in str(err), err
+    else:
+        assert [v.item() for v in lists_out] == [float(r * 10 + rank) for r in range(world)]
     dist.barrier()
     if rank == 0:
         dist.send(torch.tensor([42.0]), dst=1)
