@@ -191,6 +191,23 @@ def test_mismatched_sizes_fail_on_both_ranks():
     assert "rank 0 called all_reduce with 1000 x float32" in results[1], results[1]
 
 
+def _over_capacity(store, rank, world):
+    comm = _comm(store, rank, world, capacity_bytes=4096)
+    x = torch.ones(1025, device=f"cuda:{rank}")
+    with pytest.raises(ValueError, match="over this communicator's capacity of 4096 bytes"):
+        comm.all_reduce(x)  # refused in C++: the error crosses the binding as a Python exception
+    assert not comm.closed
+    y = comm.all_reduce(x[:1024])
+    comm.synchronize()
+    assert torch.equal(y, torch.full_like(y, float(world)))
+    comm.close()
+    return True
+
+
+def test_refused_call_raises_and_leaves_the_communicator_usable():
+    assert expect_ok(run_ranks(WORLD, _over_capacity, timeout=120)) == [True, True]
+
+
 def _cupy_arrays(store, rank, world):
     import cupy
 
