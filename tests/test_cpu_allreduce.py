@@ -202,3 +202,21 @@ def test_gpu_communicator_refused_without_gpu(tmp_path):
 
     with pytest.raises(Exception, match="CUDA|cuda"):
         rocenante.Communicator(dist.FileStore(str(tmp_path / "s"), 1), 0, 1, device="cuda:0")
+
+
+def _setup_fails_on_one_rank(store, rank, world):
+    start = time.monotonic()
+    try:
+        # Rank 1 asks for a GPU this machine cannot give (or, on a GPU machine, a configuration that differs).
+        rocenante.Communicator(store, rank, world, device="cuda:0" if rank == 1 else "cpu", timeout_s=60)
+    except rocenante.RocenanteError as err:
+        return str(err), time.monotonic() - start
+    except Exception as err:  # the failing rank's own error may be of another type
+        return str(err), time.monotonic() - start
+    raise AssertionError("setup succeeded although a rank failed")
+
+
+def test_a_rank_failing_setup_makes_the_others_fail_at_once_naming_it():
+    (message, elapsed), _ = expect_ok(run_ranks(2, _setup_fails_on_one_rank))
+    assert "rank 1" in message, message
+    assert elapsed < 10, f"rank 0 waited {elapsed:.1f} s for a peer that had already failed"

@@ -3,7 +3,7 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 
 from __future__ import annotations
 
-import datetime
+import time
 from typing import Optional
 
 import torch
@@ -45,17 +45,21 @@ def _lookup_op(op) -> "_C.ReduceOp":
         raise ValueError(f"unsupported op {op!r}; rocenante supports sum, avg, max and min") from None
 
 
-def _wait_for_ranks(store, keys: list[str], timeout_s: float, what: str) -> None:
-    """Waits until every rank has set its key; on timeout names the ranks that did not."""
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as err:  # the store raises its own timeout type, which differs between versions
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            raise
-        raise _C.PeerTimeoutError(
-            f"timed out after {timeout_s} s waiting for rank(s) {missing} to {what}"
-        ) from err
+def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeout_s: float, what: str) -> None:
+    """Waits until every rank has set its key. Raises at once if a rank reported that its setup failed, and
+    after timeout_s naming the ranks that did not arrive."""
+    failures = [f"{prefix}/failed/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        for rank, key in enumerate(failures):
+            if store.check([key]):
+                raise _C.RocenanteError(f"rank {rank} failed to set up the communicator: {store.get(key).decode()}")
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise _C.PeerTimeoutError(f"timed out after {timeout_s} s waiting for rank(s) {missing} to {what}")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class Communicator:
@@ -96,26 +100,31 @@ class Communicator:
         granule = _C.capacity_granule_bytes  # the core lays data out in groups of 32 chunks of 16 bytes
         self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
         self.timeout_s = _env.timeout_s() if timeout_s is None else float(timeout_s)
-        ordinal = -1 if self.device.type == "cpu" else self.device.index
-        self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s)
-        try:
-            self._rendezvous(store)
-        except BaseException:
-            self._c.close()
-            raise
-
-    def _rendezvous(self, store) -> None:
         # Every rank draws one ticket per communicator; all tickets of one communicator are drawn before any
         # of the next (each rank must finish this rendezvous first), so they share one generation number.
         ticket = store.add("rocenante/tickets", 1)
-        prefix = f"rocenante/comm{(ticket - 1) // self.world_size}"
+        prefix = f"rocenante/comm{(ticket - 1) // world_size}"
+        self._c = None
+        try:
+            ordinal = -1 if self.device.type == "cpu" else self.device.index
+            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s)
+            self._rendezvous(store, prefix)
+        except BaseException as err:
+            # Tell the peers now, so that they fail at once instead of at their timeout.
+            store.set(f"{prefix}/failed/{rank}", f"{type(err).__name__}: {err}")
+            if self._c is not None:
+                self._c.close()
+            raise
+
+    def _rendezvous(self, store, prefix: str) -> None:
+        world = self.world_size
         store.set(f"{prefix}/handle/{self.rank}", self._c.local_handle())
-        keys = [f"{prefix}/handle/{r}" for r in range(self.world_size)]
-        _wait_for_ranks(store, keys, self.timeout_s, "publish its handle")
+        keys = [f"{prefix}/handle/{r}" for r in range(world)]
+        _wait_for_ranks(store, prefix, keys, world, self.timeout_s, "publish its handle")
         self._c.connect([store.get(k) for k in keys])
         store.set(f"{prefix}/connected/{self.rank}", b"1")
-        keys = [f"{prefix}/connected/{r}" for r in range(self.world_size)]
-        _wait_for_ranks(store, keys, self.timeout_s, "connect")
+        keys = [f"{prefix}/connected/{r}" for r in range(world)]
+        _wait_for_ranks(store, prefix, keys, world, self.timeout_s, "connect")
         self._c.all_connected()
 
     def all_reduce(self, x, op="sum", out=None):
