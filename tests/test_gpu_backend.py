@@ -48,6 +48,16 @@ def _cuda_paths(store, rank, world):
     dist.all_reduce(big)  # over the threshold: NCCL
     assert len(calls) == 1 and torch.equal(big, torch.full_like(big, float(world)))
 
+    # async_op: wait() on another stream orders that stream after the all-reduce.
+    z = torch.full((1 << 18,), float(rank + 1), device=dev)
+    work = dist.all_reduce(z, async_op=True)
+    other = torch.cuda.Stream(dev)
+    with torch.cuda.stream(other):
+        work.wait()
+        doubled = z * 2
+    torch.cuda.synchronize()
+    assert torch.equal(doubled, torch.full_like(z, 2.0 * world * (world + 1) / 2))
+
     # CUDA graph capture of dist.all_reduce, replayed with new inputs.
     g_in = torch.empty(4099, dtype=torch.bfloat16, device=dev)
     side = torch.cuda.Stream(dev)

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, Reduc
 from torch.futures import Future
 
 from rocenante import _env
-from rocenante.communicator import _DTYPES, Communicator
+from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
 
 logger = logging.getLogger("rocenante")
 
@@ -38,16 +38,19 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.
 
 class _DoneWork(Work):
     """Work of a rocenante all-reduce. On the CPU it has completed; on CUDA it is enqueued on the stream that was
-    current at the call, so waiting means ordering the caller's current stream after that one."""
+    current at the call (kept as a raw handle: no Stream object on the hot path), so waiting means ordering the
+    caller's current stream after that one."""
 
-    def __init__(self, tensors, stream=None):
+    def __init__(self, tensors, device=None, raw_stream=0):
         super().__init__()
         self._tensors = tensors
-        self._stream = stream
+        self._device = device
+        self._raw_stream = raw_stream
 
     def wait(self, timeout=None):
-        if self._stream is not None and torch.cuda.current_stream(self._stream.device) != self._stream:
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        if self._device is not None and _current_raw_stream(self._device.index) != self._raw_stream:
+            producer = torch.cuda.ExternalStream(self._raw_stream, device=self._device)
+            torch.cuda.current_stream(self._device).wait_stream(producer)
         return True
 
     def get_future(self):
@@ -202,7 +205,9 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         comm.all_reduce(dense, op=op, out=dense)
         if dense is not t:
             t.copy_(dense)
-        return _DoneWork(tensors, torch.cuda.current_stream(t.device) if t.is_cuda else None)
+        if t.is_cuda:
+            return _DoneWork(tensors, t.device, _current_raw_stream(t.device.index))
+        return _DoneWork(tensors)
 
     def all_reduce_out_of_place(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
