@@ -34,6 +34,7 @@ from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
 logger = logging.getLogger("rocenante")
 
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+_OP_TYPES = {name: op for op, name in _OPS.items()}
 
 
 class _DoneWork(Work):
@@ -200,7 +201,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         op = _OPS.get(opts.reduceOp.op)  # the RedOpType enum: ReduceOp objects do not hash by value
         comm = self._eligible(t, op) if len(tensors) == 1 else None
         if comm is None:
-            return self._fallback[t.device.type].allreduce(tensors, opts)
+            return self._delegate(t).allreduce(tensors, opts)
         dense = t if t.is_contiguous() else t.contiguous()
         comm.all_reduce(dense, op=op, out=dense)
         if dense is not t:
@@ -216,8 +217,8 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             return comm.all_reduce(x.contiguous(), op=op)
         out = x.clone(memory_format=torch.contiguous_format)
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp({v: k for k, v in _OPS.items()}[op])
-        self._fallback[x.device.type].allreduce([out], opts).wait()
+        opts.reduceOp = ReduceOp(_OP_TYPES[op])
+        self._delegate(x).allreduce([out], opts).wait()
         return out
 
     def _delegate(self, tensor):

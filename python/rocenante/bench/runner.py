@@ -1,5 +1,5 @@
 """One benchmark rank: builds every arm, then for each (dtype, size, mode) measures the arms interleaved,
-round after round, so that drift on the machine touches every arm alike. Rank 0 returns the rows."""
+round after round, so that drift on the machine touches every arm alike. Rank 0 publishes the rows."""
 
 from __future__ import annotations
 
