@@ -1,7 +1,7 @@
 #include "communicator.h"
 
+#include <cstdio>
 #include <cstring>
-#include <sstream>
 
 #include "errors.h"
 
@@ -84,12 +84,12 @@ void Communicator::connect(const std::vector<std::string>& handles) {
     if (handles[p].size() < sizeof(Config)) ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent a truncated handle");
     std::memcpy(&theirs, handles[p].data(), sizeof(Config));
     if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0) {
-      std::ostringstream msg;
-      msg << "rank " << p << " is configured differently: world " << theirs.world << ", capacity " << theirs.capacity_bytes
-          << " bytes, " << (theirs.on_gpu ? "GPU" : "CPU") << (theirs.magic != kConfigMagic ? ", other rocenante version" : "")
-          << "; this rank: world " << world_ << ", capacity " << layout_.capacity_bytes << " bytes, "
-          << (device_ >= 0 ? "GPU" : "CPU");
-      ROCENANTE_THROW(Error, msg.str());
+      ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " is configured differently: world " + std::to_string(theirs.world) +
+                                 ", capacity " + std::to_string(theirs.capacity_bytes) + " bytes, " +
+                                 (theirs.on_gpu ? "GPU" : "CPU") +
+                                 (theirs.magic != kConfigMagic ? ", other rocenante version" : "") + "; this rank: world " +
+                                 std::to_string(world_) + ", capacity " + std::to_string(layout_.capacity_bytes) +
+                                 " bytes, " + (device_ >= 0 ? "GPU" : "CPU"));
     }
     transport_handles[p] = handles[p].substr(sizeof(Config));
   }
@@ -154,23 +154,22 @@ void Communicator::check() {
 }
 
 void Communicator::fail(uint64_t fault, const std::string& this_call) {
-  std::ostringstream msg;
-  msg << "rank " << rank_ << ": ";
+  faulted_ = true;
+  const std::string who = "rank " + std::to_string(rank_) + ": ";
   if (fault_kind(fault) == Fault::kPeerTimeout) {
-    msg << "timed out after " << timeout_s_ << " s waiting for rank(s)";
+    char seconds[32];
+    std::snprintf(seconds, sizeof(seconds), "%g", timeout_s_);
+    std::string missing;
     for (int p = 0; p < world_; ++p)
-      if (fault_detail(fault) & (1u << p)) msg << " " << p;
-    msg << "; the communicator is closed";
-    faulted_ = true;
-    ROCENANTE_THROW(PeerTimeout, msg.str());
+      if (fault_detail(fault) & (1u << p)) missing += " " + std::to_string(p);
+    ROCENANTE_THROW(PeerTimeout, who + "timed out after " + seconds + " s waiting for rank(s)" + missing +
+                                     "; the communicator is closed");
   }
   const uint32_t sig = fault_value(fault);
-  msg << "rank " << fault_detail(fault) << " called all_reduce with "
-      << describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig))
-      << (this_call.empty() ? "" : ", this rank with " + this_call)
-      << "; every rank must pass the same size, dtype and op. The communicator is closed";
-  faulted_ = true;
-  ROCENANTE_THROW(CallMismatch, msg.str());
+  ROCENANTE_THROW(CallMismatch, who + "rank " + std::to_string(fault_detail(fault)) + " called all_reduce with " +
+                                    describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig)) +
+                                    (this_call.empty() ? "" : ", this rank with " + this_call) +
+                                    "; every rank must pass the same size, dtype and op. The communicator is closed");
 }
 
 void Communicator::close() {

@@ -37,6 +37,8 @@ struct Closed : Error {
 #define ROCENANTE_WHERE __FILE__ ":" ROCENANTE_STRINGIFY(__LINE__)
 
 // Throws `Type` with the message and where it was raised, e.g. ROCENANTE_THROW(InvalidArgument, "bad dtype").
+// Messages are built from std::string and std::to_string only: std::ostringstream crashed (SIGSEGV) inside
+// torch CUDA processes on the GPU machine, so iostreams stay out of the core.
 #define ROCENANTE_THROW(Type, msg) throw ::rocenante::Type(std::string(msg) + " [" ROCENANTE_WHERE "]")
 
 // For POSIX calls returning -1 and setting errno.

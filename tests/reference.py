@@ -15,13 +15,12 @@ def ops_for(dtype):
 
 
 def make_input(seed: int, case: int, rank: int, numel: int, dtype, device="cpu") -> torch.Tensor:
-    """Fresh random data (never zeros) that any rank can rebuild for any other rank."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + case * 101 + rank)
+    """Fresh random data (never zeros) that any rank can rebuild for any other rank, generated on `device`
+    (CUDA's generator gives the same numbers on every GPU of a kind, so GPU ranks need not go through the CPU)."""
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + case * 101 + rank)
     if dtype == torch.int32:
-        x = torch.randint(-1000, 1000, (numel,), generator=g, dtype=torch.int32)
-    else:
-        x = (torch.randn(numel, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)
-    return x.to(device)
+        return torch.randint(-1000, 1000, (numel,), generator=g, dtype=torch.int32, device=device)
+    return (torch.randn(numel, generator=g, dtype=torch.float64, device=device) * 3 + 0.5).to(dtype)
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

@@ -123,14 +123,14 @@ def _graph_replays(store, rank, world, replays):
         for x, y in zip(xs, ys):
             comm.all_reduce(x, out=y)
     for i in range(replays):
-        inputs = [[make_input(i, k, r, n, torch.bfloat16) for r in range(world)] for k, n in enumerate(sizes)]
+        inputs = [[make_input(i, k, r, n, torch.bfloat16, dev) for r in range(world)] for k, n in enumerate(sizes)]
         for x, y, per_rank in zip(xs, ys, inputs):
             x.copy_(per_rank[rank])
             poison(y)
         graph.replay()
         torch.cuda.synchronize()
         for y, per_rank in zip(ys, inputs):
-            if not torch.equal(y.cpu(), sequential_fp32(per_rank, "sum")):
+            if not torch.equal(y, sequential_fp32(per_rank, "sum")):
                 raise AssertionError(f"replay {i} gave a wrong result")
     comm.synchronize()
     comm.close()

@@ -89,6 +89,12 @@ __device__ void report_fault(const DeviceState& s, uint64_t fault, uint32_t miss
 
 template <DType D, ReduceOp Op>
 __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
+  // Launched with programmatic stream serialization (see launch()): this grid may be scheduled while the
+  // previous kernel of the stream is still running. griddepcontrol.wait returns once that kernel has completed
+  // and its writes (the caller's input, our epoch) are visible; launch_dependents then lets the next kernel be
+  // scheduled, and that kernel in turn waits for our completion. No data moves before the wait.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
   const uint32_t epoch = s.epochs[blockIdx.x];
   const int slot = epoch & 1;
   const uint32_t flag = make_flag(a.signature, epoch);
@@ -109,9 +115,11 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
     }
   }
 
-  const uint64_t deadline = global_timer_ns() + a.timeout_ns;
+  uint64_t deadline = 0;  // set at the first timer read, so a call whose peers are already there never reads it
   bool failed = false;
   for (size_t c = first; c < chunks && !failed; c += stride) {
+    uint32_t own[4];
+    load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
     // Poll every peer's two lines for this chunk until all carry our flag. Indices into `got` are
     // compile-time constants after unrolling, so the lines stay in registers.
     Line got[kMaxRanks][kLinesPerChunk];
@@ -137,9 +145,11 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
       }
       if (failed) break;
       if (pending != 0 && polls % kPollsPerClockRead == 0) {
+        const uint64_t now = global_timer_ns();
+        if (deadline == 0) deadline = now + a.timeout_ns;
         if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) {
           failed = true;  // another thread already gave up: stop waiting too
-        } else if (global_timer_ns() > deadline) {
+        } else if (now > deadline) {
           report_fault(s, encode_fault(Fault::kPeerTimeout, pending, 0), pending);
           failed = true;
         }
@@ -152,15 +162,14 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.world) continue;
-      uint32_t w[4];
       if (p == a.rank) {
-        load_chunk(a, c, w);
-      } else {
-        w[0] = got[p][0].data0, w[1] = got[p][0].data1, w[2] = got[p][1].data0, w[3] = got[p][1].data1;
-        Line* src = a.local + a.layout.line_index(slot, p);
-        zero_line(src + chunk_line(c, 0));
-        zero_line(src + chunk_line(c, 1));
+        accumulate<D, Op>(acc, own, p == 0);
+        continue;
       }
+      const uint32_t w[4] = {got[p][0].data0, got[p][0].data1, got[p][1].data0, got[p][1].data1};
+      Line* src = a.local + a.layout.line_index(slot, p);
+      zero_line(src + chunk_line(c, 0));
+      zero_line(src + chunk_line(c, 1));
       accumulate<D, Op>(acc, w, p == 0);
     }
     uint32_t w[4] = {0, 0, 0, 0};
@@ -216,10 +225,18 @@ class CudaOneshotKernel final : public OneshotKernel {
   void launch(const AllReduceArgs& args, uintptr_t stream) override {
     DeviceGuard guard(device_);
     const LaunchShape shape = oneshot_shape(args.bytes, multiprocessors_);
+    cudaLaunchAttribute overlap{};
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(shape.blocks);
+    config.blockDim = dim3(shape.threads);
+    config.stream = reinterpret_cast<cudaStream_t>(stream);
+    config.attrs = &overlap;
+    config.numAttrs = 1;
     dispatch_dtype_op(args.dtype, args.op, [&]<DType D, ReduceOp Op>() {
-      oneshot_allreduce_kernel<D, Op><<<shape.blocks, shape.threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args, state_);
+      ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op>, args, state_));
     });
-    ROCENANTE_CHECK_CUDA(cudaGetLastError());
   }
 
   uint64_t fault() const override { return *reinterpret_cast<volatile uint64_t*>(fault_host_); }
