@@ -15,14 +15,14 @@ from reference import make_input, sequential_fp32
 pytestmark = pytest.mark.gpu
 
 
-def _init(store, rank, world, backend="rocenante", env=None):
+def _init(store, rank, world, backend="rocenante", env=None, **kw):
     import torch.distributed as dist
 
     os.environ.update(env or {})
     import rocenante  # noqa: F401
 
     torch.cuda.set_device(rank)
-    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world, **kw)
     return dist.group.WORLD
 
 
@@ -31,14 +31,15 @@ def _cuda_paths(store, rank, world):
 
     import rocenante
 
-    pg = _init(store, rank, world)
+    pg = _init(store, rank, world, device_id=torch.device("cuda", rank))  # the other tests init without device_id
+    assert dist.get_backend() == "rocenante"
     st = rocenante.status()
     assert st["cuda"]["active"] and st["cpu"]["active"], st
     dev = torch.device("cuda", rank)
     calls = []
     comm = pg._comms["cuda"]
-    original = comm.all_reduce
-    comm.all_reduce = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    original = comm._launch
+    comm._launch = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
 
     inputs = [make_input(8, 0, r, 5000, torch.bfloat16) for r in range(world)]
     x = inputs[rank].to(dev)

@@ -183,14 +183,14 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def _eligible(self, t: torch.Tensor, op: str | None) -> Communicator | None:
         """The communicator that serves this all-reduce, or None. Only rank-shared facts decide."""
-        comm = self._comms.get(t.device.type)
+        comm = self._comms.get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None)
         if (
             comm is not None
             and op is not None
             and t.dtype in _DTYPES
             and not (op == "avg" and t.dtype == torch.int32)
             and not t.is_sparse
-            and 0 < t.numel() * t.element_size() <= comm.capacity_bytes
+            and 0 < t.nbytes <= comm.capacity_bytes
         ):
             return comm
         return None
@@ -203,12 +203,11 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         if comm is None:
             return self._delegate(t).allreduce(tensors, opts)
         dense = t if t.is_contiguous() else t.contiguous()
-        comm.all_reduce(dense, op=op, out=dense)
+        stream = comm.current_stream()
+        comm._launch(dense, dense, op, stream)  # _eligible checked dtype, device and size
         if dense is not t:
             t.copy_(dense)
-        if t.is_cuda:
-            return _DoneWork(tensors, t.device, _current_raw_stream(t.device.index))
-        return _DoneWork(tensors)
+        return _DoneWork(tensors, comm.device if t.is_cuda else None, stream)
 
     def all_reduce_out_of_place(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
@@ -222,7 +221,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return out
 
     def _delegate(self, tensor):
-        return self._fallback[tensor.device.type]
+        return self._fallback["cuda" if tensor.is_cuda else tensor.device.type]
 
     def allreduce_coalesced(self, tensors, opts):
         return self._delegate(tensors[0]).allreduce_coalesced(tensors, opts)

@@ -94,6 +94,7 @@ class Communicator:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"unsupported device {device!r}: use 'cpu' or a CUDA device")
+        self._cuda_index = self.device.index if self.device.type == "cuda" else None
         self.rank = rank
         self.world_size = world_size
         self.capacity_bytes = _env.capacity_bytes() if capacity_bytes is None else int(capacity_bytes)
@@ -139,9 +140,16 @@ class Communicator:
         if not isinstance(x, torch.Tensor) and hasattr(x, "__cuda_array_interface__"):
             return self._all_reduce_cuda_array(x, op, out)
         out = self._check(x, out)
-        stream = _current_raw_stream(self.device.index) if self.device.type == "cuda" else 0
-        self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
+        self._launch(x, out, op, self.current_stream())
         return out
+
+    def current_stream(self) -> int:
+        """The raw handle of the stream calls are enqueued on: the current CUDA stream (0 on the CPU)."""
+        return 0 if self._cuda_index is None else _current_raw_stream(self._cuda_index)
+
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int) -> None:
+        """The call into the core, for arguments already checked (by all_reduce, or by the backend's dispatch)."""
+        self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
 
     def _all_reduce_cuda_array(self, x, op, out):
         """CuPy (or any __cuda_array_interface__) arrays: viewed as tensors, run on CuPy's current stream."""
@@ -151,8 +159,7 @@ class Communicator:
             out = cupy.empty_like(x)
         tx, tout = torch.as_tensor(x, device=self.device), torch.as_tensor(out, device=self.device)
         self._check(tx, tout)
-        stream = cupy.cuda.get_current_stream().ptr
-        self._c.all_reduce(tx.data_ptr(), tout.data_ptr(), tx.numel(), _DTYPES[tx.dtype], _lookup_op(op), stream)
+        self._launch(tx, tout, op, cupy.cuda.get_current_stream().ptr)
         return out
 
     def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
