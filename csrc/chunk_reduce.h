@@ -21,28 +21,19 @@
 
 namespace rocenante {
 
-ROCENANTE_HD float bits_to_float(uint32_t b) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(b);
-#else
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-#endif
-}
-ROCENANTE_HD uint32_t float_to_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-#endif
+// The bits of a value as another type of the same size. memcpy is the portable spelling on the host and in
+// device code alike; both compilers turn it into a register move.
+template <class To, class From>
+ROCENANTE_HD To bit_cast(const From& v) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs two types of one size");
+  To out;
+  memcpy(&out, &v, sizeof(To));
+  return out;
 }
 
-ROCENANTE_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+ROCENANTE_HD float bf16_to_float(uint16_t h) { return bit_cast<float>(uint32_t(h) << 16); }
 ROCENANTE_HD uint16_t float_to_bf16(float f) {
-  const uint32_t b = float_to_bits(f);
+  const uint32_t b = bit_cast<uint32_t>(f);
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40);  // NaN stays a (quiet) NaN
   return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);                  // round to nearest even
 }
@@ -51,19 +42,14 @@ ROCENANTE_HD float fp16_to_float(uint16_t h) {
 #ifdef __CUDACC__
   return __half2float(__ushort_as_half(h));
 #else
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return float(v);
+  return float(bit_cast<_Float16>(h));
 #endif
 }
 ROCENANTE_HD uint16_t float_to_fp16(float f) {
 #ifdef __CUDACC__
   return __half_as_ushort(__float2half_rn(f));
 #else
-  const _Float16 v = _Float16(f);  // IEEE conversion, round to nearest even
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
+  return bit_cast<uint16_t>(_Float16(f));  // IEEE conversion, round to nearest even
 #endif
 }
 
@@ -75,8 +61,8 @@ template <>
 struct Chunk<DType::kFloat32> {
   using Acc = float;
   static constexpr int kElems = 4;
-  static ROCENANTE_HD Acc load(const uint32_t* w, int i) { return bits_to_float(w[i]); }
-  static ROCENANTE_HD void store(uint32_t* w, int i, Acc v) { w[i] = float_to_bits(v); }
+  static ROCENANTE_HD Acc load(const uint32_t* w, int i) { return bit_cast<float>(w[i]); }
+  static ROCENANTE_HD void store(uint32_t* w, int i, Acc v) { w[i] = bit_cast<uint32_t>(v); }
 };
 template <>
 struct Chunk<DType::kInt32> {
