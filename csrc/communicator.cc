@@ -150,7 +150,8 @@ void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType d
 }
 
 void Communicator::check() {
-  if (!closed() && kernel_ && kernel_->fault() != 0) fail(kernel_->fault(), "");
+  if (closed() || !kernel_) return;
+  if (const uint64_t fault = kernel_->fault(); fault != 0) fail(fault, "");
 }
 
 void Communicator::fail(uint64_t fault, const std::string& this_call) {

@@ -8,8 +8,8 @@ import os
 # a peer may legitimately be late by a long compilation or a checkpoint load.
 DEFAULT_TIMEOUT_S = 300.0
 # Largest message of one call (bytes). Each rank's receive region holds 2 slots x world x 2 x capacity.
-# 4 MiB: where NCCL overtakes the one-shot on 2 x H200 (bf16, CUDA graph: 35.6 us vs 36.8 us at 4 MiB,
-# 68.3 us vs 50.3 us at 8 MiB; benchmarks/results/h200x2-bf16.json).
+# 4 MiB: where NCCL overtakes the one-shot on 2 x H200 (bf16, CUDA graph: 34.5 us vs 37.4 us at 4 MiB,
+# 66.8 us vs 49.8 us at 8 MiB; benchmarks/results/h200x2-bf16.json).
 DEFAULT_CAPACITY_BYTES = 4 << 20
 
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         b *= a.size_factor
     cfg = {
         "device": a.device, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes, "rounds": a.rounds,
-        "arms": [x for x in a.arms.split(",") if x], "max_bytes": a.max_bytes, "progress": True,
+        "arms": [x for x in a.arms.split(",") if x], "max_bytes": a.max_bytes,
         "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
     }
     print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         "schema": report.SCHEMA,
         "provenance": provenance.collect(a.device),
         "world_size": a.ranks,
-        "config": {k: v for k, v in cfg.items() if k != "progress"},
+        "config": cfg,
         "rows": out["rows"],
         "skipped": out["skipped"],
     }

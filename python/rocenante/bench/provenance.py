@@ -55,8 +55,8 @@ def collect(device_type: str) -> dict:
     if device_type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
-        info["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0:1]
-        info["driver"] = info["driver"][0] if info["driver"] else None
+        drivers = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()
+        info["driver"] = drivers[0] if drivers else None
         info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
         info["topology"] = _run(["nvidia-smi", "topo", "-m"]) or None
         info["env"] = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM_MEM", "ROCENANTE_"))}

@@ -127,8 +127,6 @@ def worker(store, rank, world, cfg, publish) -> None:
                             live.append(Measurement(arm, numel, dtype, mode, ops))
                         except Exception as err:
                             why = f"{type(err).__name__}: {err}".splitlines()[0]
-                            if cfg.get("verbose"):
-                                traceback.print_exc()
                     if why is not None:
                         skipped.setdefault(f"{arm.name}/{mode}/{dtype_name}", {})[numel * esize] = why
                 # Every rank must measure the same arms: agree on the intersection.
@@ -157,7 +155,7 @@ def worker(store, rank, world, cfg, publish) -> None:
                 del live
                 if cuda:
                     torch.cuda.synchronize()
-                if rank == 0 and cfg.get("progress"):
+                if rank == 0:
                     done = [r for r in rows if r["bytes"] == numel * esize and r["mode"] == mode and r["dtype"] == dtype_name]
                     print(f"  {dtype_name} {numel * esize} B {mode}: " +
                           ", ".join(f"{r['arm']} {r['median_us']:.2f} us" for r in done), flush=True)
