@@ -158,6 +158,7 @@ def _from_group(store, rank, world):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         with rocenante.Communicator(group=dist.group.WORLD, capacity_bytes=4096) as comm:
+            assert comm.name == dist.group.WORLD.group_name
             return comm.all_reduce(torch.tensor([rank + 1.0]), op=dist.ReduceOp.SUM).item()
     finally:
         dist.destroy_process_group()
@@ -165,6 +166,72 @@ def _from_group(store, rank, world):
 
 def test_built_from_a_process_group():
     assert expect_ok(run_ranks(2, _from_group)) == [3.0, 3.0]
+
+
+# Sub-communicators of four processes: name -> the process ranks in it, in sub-rank order.
+_SUBGROUPS = {"all": [0, 1, 2, 3], "left": [0, 1], "right": [2, 3], "trio": [1, 2, 3]}
+
+
+def _concurrent_names(store, rank, world, seed, rounds):
+    import threading
+
+    rng = random.Random(seed * 100 + rank)
+    failures = []
+
+    def build_and_reduce(name, case, pause):
+        ranks = _SUBGROUPS[name]
+        me = ranks.index(rank)  # the rank within the sub-communicator
+        try:
+            time.sleep(pause)
+            with rocenante.Communicator(store, me, len(ranks), name=name, capacity_bytes=CAPACITY, timeout_s=30) as c:
+                inputs = [make_input(seed, case, r, 1000 + case, torch.float32) for r in range(len(ranks))]
+                if not torch.equal(c.all_reduce(inputs[me]), sequential_fp32(inputs, "sum")):
+                    failures.append(f"{name}, rank {me} of {len(ranks)}, case {case}: wrong sum")
+        except Exception as err:
+            failures.append(f"{name}, rank {me} of {len(ranks)}, case {case}: {type(err).__name__}: {err}")
+
+    for round_ in range(rounds):  # each round re-creates every name, the threads started in a new order
+        mine = [name for name, ranks in _SUBGROUPS.items() if rank in ranks]
+        rng.shuffle(mine)
+        cases = [round_ * 10 + list(_SUBGROUPS).index(name) for name in mine]  # fresh data for each
+        threads = [
+            threading.Thread(target=build_and_reduce, args=(name, case, rng.uniform(0, 0.05)))
+            for name, case in zip(mine, cases)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return failures
+
+
+def test_communicators_of_different_sizes_built_concurrently_on_one_store():
+    results = expect_ok(run_ranks(4, _concurrent_names, 11, 5, timeout=120))
+    assert results == [[]] * 4, results
+
+
+def _same_name_twice(store, rank, world):
+    # Processes 0 and 1 both claim rank 0 of "twin"; process 2 is its rank 2, and nobody its rank 1.
+    start = time.monotonic()
+    try:
+        rocenante.Communicator(store, [0, 0, 2][rank], 3, name="twin", timeout_s=10)
+    except rocenante.RocenanteError as err:
+        return str(err), time.monotonic() - start
+    raise AssertionError("built a communicator although two processes claimed one rank of it")
+
+
+def test_same_name_built_concurrently_raises_on_every_rank():
+    for message, elapsed in expect_ok(run_ranks(3, _same_name_twice, timeout=60)):
+        assert "another communicator named 'twin' is being built on this store" in message, message
+        assert elapsed < 5, f"took {elapsed:.1f} s to notice"
+
+
+@pytest.mark.parametrize("name", ["", 7])
+def test_bad_name_is_refused(tmp_path, name):
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        rocenante.Communicator(dist.FileStore(str(tmp_path / "s"), 1), 0, 1, name=name)
 
 
 @pytest.fixture

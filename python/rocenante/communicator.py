@@ -69,6 +69,9 @@ class Communicator:
     group), or from a process group with ``Communicator(group=pg)``. ``device`` is ``"cpu"`` (shared memory)
     or a CUDA device (CUDA IPC; one GPU per rank). Every rank must then make the same sequence of calls
     with the same size, dtype and op; a rank that differs makes every rank's call fail naming it.
+
+    ``name`` (default ``"default"``; with ``group=``, the group's name) keys the rendezvous: communicators built
+    at the same time on one store need distinct names. A name may be reused once its previous communicator is built.
     """
 
     def __init__(
@@ -81,14 +84,20 @@ class Communicator:
         device="cpu",
         capacity_bytes: Optional[int] = None,
         timeout_s: Optional[float] = None,
+        name: Optional[str] = None,
     ):
         if group is not None:
             if store is not None or rank is not None or world_size is not None:
                 raise ValueError("pass either group= or store, rank and world_size, not both")
             store = dist.distributed_c10d._world.pg_map[group][1]
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            name = group.group_name if name is None else name
         if store is None or rank is None or world_size is None:
             raise ValueError("Communicator needs store, rank and world_size (or group=)")
+        name = "default" if name is None else name
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        self.name = name
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,10 +110,11 @@ class Communicator:
         granule = _C.capacity_granule_bytes  # the core lays data out in groups of 32 chunks of 16 bytes
         self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
         self.timeout_s = _env.timeout_s() if timeout_s is None else float(timeout_s)
-        # Every rank draws one ticket per communicator; all tickets of one communicator are drawn before any
-        # of the next (each rank must finish this rendezvous first), so they share one generation number.
-        ticket = store.add("rocenante/tickets", 1)
-        prefix = f"rocenante/comm{(ticket - 1) // world_size}"
+        # Every rank draws one ticket per communicator of this name and world size; all tickets of one are drawn
+        # before any of the next (each rank must finish this rendezvous first), so they share one generation.
+        base = f"rocenante/{name}/{world_size}"
+        ticket = store.add(f"{base}/tickets", 1)
+        prefix = f"{base}/{(ticket - 1) // world_size}"
         self._c = None
         try:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
@@ -119,7 +129,13 @@ class Communicator:
 
     def _rendezvous(self, store, prefix: str) -> None:
         world = self.world_size
-        store.set(f"{prefix}/handle/{self.rank}", self._c.local_handle())
+        handle = self._c.local_handle()  # unique to this instance (a random shared memory name, a CUDA IPC handle)
+        # Set only if unset: another handle there means another communicator took this name and rank.
+        if store.compare_set(f"{prefix}/handle/{self.rank}", "", handle) != handle:
+            raise _C.RocenanteError(
+                f"rank {self.rank} of communicator {self.name!r}: another communicator named {self.name!r} is "
+                "being built on this store at the same time (give each communicator a distinct name)"
+            )
         keys = [f"{prefix}/handle/{r}" for r in range(world)]
         _wait_for_ranks(store, prefix, keys, world, self.timeout_s, "publish its handle")
         self._c.connect([store.get(k) for k in keys])
