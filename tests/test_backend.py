@@ -212,6 +212,27 @@ def test_second_init_after_destroy_and_new_group():
     assert expect_ok(run_ranks(3, _reinit_and_new_group, timeout=300)) == [True] * 3
 
 
+def _reinit_on_one_store(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    states = []
+    for round_, bad in enumerate([True, False, False]):  # rank 1's self-test fails in the first round only
+        os.environ["ROCENANTE_TIMEOUT_S"] = "soon" if bad and rank == 1 else "60"
+        dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)  # the same store each time
+        x = torch.full((4,), float(rank + round_))
+        dist.all_reduce(x)
+        assert torch.equal(x, torch.full((4,), float(sum(range(world)) + world * round_)))
+        states.append(rocenante.status()["cpu"]["active"])
+        dist.destroy_process_group()
+    return states
+
+
+def test_reinit_on_the_same_store_reads_no_stale_keys():
+    assert expect_ok(run_ranks(3, _reinit_on_one_store, timeout=120)) == [[False, True, True]] * 3
+
+
 def _compiled(store, rank, world):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as fc

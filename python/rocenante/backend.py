@@ -69,8 +69,12 @@ def _agree(store, key: str, rank: int, size: int, mine: dict, timeout: datetime.
 
 
 class RocenanteProcessGroup(dist.ProcessGroup):
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str):
         super().__init__(rank, size)
+        # Every key of this init (the delegates', the self-test's, the communicators') lives under its own
+        # generation, so an init on a store an earlier one used (after destroy_process_group) reads none of its keys.
+        ticket = store.add(f"rocenante/{size}/inits", 1)
+        store = dist.PrefixStore(f"rocenante/{size}/{(ticket - 1) // size}/", store)
         self._fallback = {"cpu": ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)}
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._fallback["cpu"])
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -85,14 +89,14 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._comms: dict[str, Communicator] = {}
         self._status: dict[str, dict] = {}
         for device_type in self._fallback:
-            self._start(store, rank, size, device_type, timeout)
+            self._start(store, rank, size, device_type, timeout, group_name)
 
     def getBackendName(self) -> str:
         return "rocenante"
 
     # ---- startup self-test ----
 
-    def _start(self, store, rank, size, device_type, timeout) -> None:
+    def _start(self, store, rank, size, device_type, timeout, group_name) -> None:
         key = f"rocenante/selftest/{device_type}"
         local = self._local_check(device_type)
         checks = _agree(store, f"{key}/config", rank, size, local, timeout)
@@ -101,7 +105,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
             comm = None
             try:
-                comm = Communicator(comm_store, rank, size, device=local["device"],
+                comm = Communicator(comm_store, rank, size, device=local["device"], name=group_name,
                                     capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"])
                 self._run_self_test(comm, device_type, rank, size)
                 local = {"ok": True}
@@ -274,14 +278,15 @@ def _free_retired() -> None:
 atexit.register(_free_retired)
 
 
-def _create(store, rank, size, timeout):
+def _create(opts, _pg_options):
+    """The extended creator API: opts carries the group's name (group_id) along with its store, rank and size."""
     _free_retired()
-    return RocenanteProcessGroup(store, rank, size, timeout)
+    return RocenanteProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
 
 
 def register() -> None:
     if "ROCENANTE" not in dist.Backend._plugins:
-        dist.Backend.register_backend("rocenante", _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend("rocenante", _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def status(group=None) -> dict:
