@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
 #   benchmarks/gpu_machine.sh OUTDIR [tests|bench|all] [extra benchmark arguments...]
-# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log.
+# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times),
+# OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log. ROCENANTE_PYTEST_ARGS adds pytest arguments (e.g. -k).
 set -uo pipefail
 out=${1:?usage: gpu_machine.sh OUTDIR [tests|bench|all] [bench args...]}
 what=${2:-all}
@@ -9,6 +10,9 @@ shift $(( $# >= 2 ? 2 : 1 ))
 mkdir -p "$out"
 # NVLink multicast stays off everywhere (NCCL NVLS, torch SymmetricMemory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# The GPU tests run compute-sanitizer: here a missing one fails the run instead of skipping those tests.
+for bin in /usr/local/cuda/bin /usr/local/cuda-*/bin; do [[ -d $bin ]] && PATH=$PATH:$bin; done
+command -v compute-sanitizer > /dev/null || { echo "compute-sanitizer not found" >&2; exit 1; }
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpus.txt"
 nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 arch=${CMAKE_CUDA_ARCHITECTURES:-90}
@@ -16,7 +20,8 @@ python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_
   > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 status=0
 if [[ $what == tests || $what == all ]]; then
-  (cd /tmp && python3 -m pytest -v -rs -m gpu "$OLDPWD/tests" --junitxml="$out/gpu-tests.xml") 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rs -m gpu "$OLDPWD/tests" \
+     --junitxml="$out/gpu-tests.xml" ${ROCENANTE_PYTEST_ARGS:-}) 2>&1 | tee "$out/gpu-tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then

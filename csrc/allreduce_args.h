@@ -23,8 +23,24 @@ struct AllReduceArgs {
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
 };
 
+// A wait that has read the clock also reads the abort words of its region's header, with `load` (the host's
+// and the kernel's atomic loads differ): the peers', then its own rank's (written by its own host, layout.h),
+// since a peer's own word says more than our watchdog's (a peer that aborted may have ended since).
+// Returns the fault to record, or 0 to keep waiting.
+template <class Load>
+ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, Load load) {
+  for (int p = 0; p < kMaxRanks && p < a.world; ++p)
+    if (p != a.rank)
+      if (const uint64_t w = load(abort_word(a.local, p))) return peer_aborted(p, w);
+  return load(abort_word(a.local, a.rank));
+}
+
+// True when a signal asks the waiting thread to give up (Ctrl-C); checked at most every few milliseconds.
+using InterruptCheck = bool (*)();
+
 // The CPU path: runs the whole protocol on the calling thread. `epoch` is this call's number (same on every
-// rank). Returns 0, or an encode_fault() word saying why the call failed (the output is then not valid).
-uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch);
+// rank). Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
+// compute is then poisoned (poison_word).
+uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, InterruptCheck interrupted);
 
 }  // namespace rocenante

@@ -9,6 +9,19 @@
 namespace py = pybind11;
 using rocenante::Communicator;
 
+namespace {
+
+// For host waits (the CPU path), which run without the GIL: takes it briefly and asks whether a signal
+// handler raised (Ctrl-C). The KeyboardInterrupt is dropped here; the core raises Interrupted instead.
+bool python_signal_pending() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  PyErr_Clear();
+  return true;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "rocenante core: one-shot all-reduce over shared memory and CUDA IPC";
 
@@ -16,6 +29,8 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<rocenante::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);
   py::register_exception<rocenante::PeerTimeout>(m, "PeerTimeoutError", base.ptr());
   py::register_exception<rocenante::CallMismatch>(m, "CallMismatchError", base.ptr());
+  py::register_exception<rocenante::PeerAborted>(m, "PeerAbortedError", base.ptr());
+  py::register_exception<rocenante::Interrupted>(m, "Interrupted", PyExc_KeyboardInterrupt);
   py::register_exception<rocenante::Closed>(m, "ClosedError", base.ptr());
 
   py::enum_<rocenante::DType>(m, "DType")
@@ -29,6 +44,11 @@ PYBIND11_MODULE(_C, m) {
       .value("max", rocenante::ReduceOp::kMax)
       .value("min", rocenante::ReduceOp::kMin);
 
+  py::enum_<rocenante::OnFault>(m, "OnFault")
+      .value("raise_", rocenante::OnFault::kRaise)
+      .value("abort", rocenante::OnFault::kAbort);
+  Communicator::set_interrupt_check(python_signal_pending);
+
 #ifdef ROCENANTE_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
@@ -39,14 +59,17 @@ PYBIND11_MODULE(_C, m) {
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
 
   py::class_<Communicator>(m, "Communicator")
-      .def(py::init<int, int, int, size_t, double>(), py::arg("rank"), py::arg("world"), py::arg("device"),
-           py::arg("capacity_bytes"), py::arg("timeout_s"))
+      .def(py::init<int, int, int, size_t, double, rocenante::OnFault>(), py::arg("rank"), py::arg("world"),
+           py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"), py::arg("on_fault"))
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       .def("connect", &Communicator::connect, py::arg("handles"))
       .def("all_connected", &Communicator::all_connected)
       .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
-      .def("check", &Communicator::check, py::call_guard<py::gil_scoped_release>())
+      .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
+      .def("check", &Communicator::check)  // reads two words: not worth releasing the GIL
+      .def_property_readonly("fault_call", &Communicator::fault_call)
+      .def_property_readonly("calls_issued", &Communicator::calls_issued)
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("rank", &Communicator::rank)

@@ -1,9 +1,16 @@
 #include "communicator.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "errors.h"
+#include "watchdog.h"
 
 namespace rocenante {
 namespace {
@@ -38,17 +45,75 @@ struct Config {
   int32_t on_gpu;
   uint32_t zero;  // explicit padding, always 0, so that memcmp compares only bytes we set
 };
-constexpr uint32_t kConfigMagic = 0x524f4331;  // "ROC1": bump when the protocol changes
+constexpr uint32_t kConfigMagic = 0x524f4332;  // "ROC2": bump when the protocol changes
 static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
 
 Config config_of(int world, size_t capacity_bytes, int device) {
   return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, 0};
 }
 
+// Which process a rank is, so that its peers' watchdogs can see it end: the pid and the process's start time
+// (clock ticks since boot, /proc/PID/stat field 22), which tells a reused pid or another pid namespace apart.
+struct Identity {
+  int64_t pid;
+  uint64_t start_time;
+};
+static_assert(sizeof(Identity) == 16, "Identity travels as raw bytes: no implicit padding");
+
+uint64_t process_start_time(int64_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(f, stat);
+  const size_t end_of_name = stat.rfind(')');  // the name may hold spaces and parentheses
+  if (end_of_name == std::string::npos) return 0;
+  size_t pos = end_of_name + 2;  // field 3 (state) starts here; field 22 is 19 fields further
+  for (int field = 3; field < 22 && pos != std::string::npos; ++field) pos = stat.find(' ', pos) + 1;
+  return pos == 0 || pos == std::string::npos ? 0 : std::strtoull(stat.c_str() + pos, nullptr, 10);
+}
+
+// A pidfd for the peer's process, or -1 when it cannot be watched (not in our pid namespace, an old kernel):
+// then only the timeout bounds the wait for it.
+int open_pidfd(const Identity& peer) {
+#ifndef SYS_pidfd_open
+  constexpr long SYS_pidfd_open = 434;  // the same number on every Linux architecture
+#endif
+  const int fd = int(syscall(SYS_pidfd_open, pid_t(peer.pid), 0));
+  if (fd < 0) return -1;
+  if (peer.start_time == 0 || process_start_time(peer.pid) != peer.start_time) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The root cause a peer's abort word carries (abort_cause()).
+std::string abort_reason(uint32_t cause) {
+  const uint32_t detail = cause & 0xFFFFFFu;
+  const std::string peer = std::to_string(detail);
+  switch (Fault(cause >> 24)) {
+    case Fault::kPeerTimeout: {
+      std::string missing;
+      for (int p = 0; p < kMaxRanks; ++p)
+        if (detail & (1u << p)) missing += (missing.empty() ? "" : " ") + std::to_string(p);
+      return "a wait for rank(s) " + missing + " timed out";
+    }
+    case Fault::kCallMismatch: return "rank " + peer + " made a different call";
+    case Fault::kPeerExited: return "rank " + peer + "'s process ended";
+    case Fault::kRefused: return "rank " + peer + " refused a call over an argument only it could see";
+    case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
+    case Fault::kPeerAborted:  // never a root cause (abort_from)
+    case Fault::kNone: break;
+  }
+  return "unknown cause " + std::to_string(cause);
+}
+
 }  // namespace
 
-Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s)
-    : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s), layout_{capacity_bytes, world} {
+InterruptCheck Communicator::interrupt_check_ = nullptr;
+
+Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault)
+    : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s), on_fault_(on_fault),
+      layout_{capacity_bytes, world}, pidfds_(world, -1) {
   if (world < 1 || world > kMaxRanks)
     ROCENANTE_THROW(InvalidArgument, "world size " + std::to_string(world) + " is outside 1.." + std::to_string(kMaxRanks));
   if (rank < 0 || rank >= world)
@@ -57,6 +122,8 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "capacity " + std::to_string(capacity_bytes) + " bytes must be a positive multiple of " +
                                          std::to_string(kCapacityGranule) + " up to " + std::to_string(kMaxCapacityBytes));
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
+  if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
+    ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
   if (device_ < 0) {
     transport_ = make_shm_transport(rank, layout_);
   } else {
@@ -68,20 +135,24 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
 Communicator::~Communicator() { close(); }
 
 std::string Communicator::local_handle() const {
-  if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   const Config c = config_of(world_, layout_.capacity_bytes, device_);
-  return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) + transport_->local_handle();
+  const Identity me{getpid(), process_start_time(getpid())};
+  return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) +
+         std::string(reinterpret_cast<const char*>(&me), sizeof(me)) + transport_->local_handle();
 }
 
 void Communicator::connect(const std::vector<std::string>& handles) {
-  if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (int(handles.size()) != world_)
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
   const Config mine = config_of(world_, layout_.capacity_bytes, device_);
   std::vector<std::string> transport_handles(world_);
+  std::vector<Identity> peers(world_);
   for (int p = 0; p < world_; ++p) {
     Config theirs{};
-    if (handles[p].size() < sizeof(Config)) ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent a truncated handle");
+    if (handles[p].size() < sizeof(Config) + sizeof(Identity))
+      ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent a truncated handle");
     std::memcpy(&theirs, handles[p].data(), sizeof(Config));
     if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0) {
       ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " is configured differently: world " + std::to_string(theirs.world) +
@@ -91,39 +162,53 @@ void Communicator::connect(const std::vector<std::string>& handles) {
                                  std::to_string(world_) + ", capacity " + std::to_string(layout_.capacity_bytes) +
                                  " bytes, " + (device_ >= 0 ? "GPU" : "CPU"));
     }
-    transport_handles[p] = handles[p].substr(sizeof(Config));
+    std::memcpy(&peers[p], handles[p].data() + sizeof(Config), sizeof(Identity));
+    transport_handles[p] = handles[p].substr(sizeof(Config) + sizeof(Identity));
   }
   transport_->connect(transport_handles);
+  for (int p = 0; p < world_; ++p)
+    if (p != rank_) pidfds_[p] = open_pidfd(peers[p]);
 }
 
 void Communicator::all_connected() {
-  if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   transport_->all_connected();
+  Watchdog::add(this);
 }
 
-void Communicator::validate(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op) const {
+// Refusals every rank makes alike: the call's size, dtype and op are the same on every rank (or the ranks'
+// calls mismatch, which the protocol reports), so refusing leaves the communicator usable.
+void Communicator::validate_shared(size_t count, DType dtype, ReduceOp op) const {
   if (uint32_t(dtype) >= kNumDTypes) ROCENANTE_THROW(InvalidArgument, "unsupported dtype code " + std::to_string(uint32_t(dtype)));
   if (uint32_t(op) >= kNumOps) ROCENANTE_THROW(InvalidArgument, "unsupported op code " + std::to_string(uint32_t(op)));
   if (dtype == DType::kInt32 && op == ReduceOp::kAvg) ROCENANTE_THROW(InvalidArgument, "op avg is not defined for int32");
-  if (count == 0) return;
   const size_t esize = dtype_size(dtype);
-  if (in == 0 || out == 0) ROCENANTE_THROW(InvalidArgument, "null input or output pointer");
-  if (in % esize != 0 || out % esize != 0)
-    ROCENANTE_THROW(InvalidArgument, "input and output must be aligned to their element size");
   if (count > layout_.capacity_bytes / esize)
     ROCENANTE_THROW(InvalidArgument, describe_call(count, dtype, op) + " is " + std::to_string(count * esize) +
                                          " bytes, over this communicator's capacity of " +
                                          std::to_string(layout_.capacity_bytes) + " bytes");
+}
+
+// What only this rank can see about its call; nullptr when the pointers are fine.
+const char* Communicator::validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const {
+  const size_t esize = dtype_size(dtype);
   const size_t bytes = count * esize;
-  if (in != out && in < out + bytes && out < in + bytes)
-    ROCENANTE_THROW(InvalidArgument, "input and output overlap without being the same buffer");
+  if (in == 0 || out == 0) return "null input or output pointer";
+  if (in % esize != 0 || out % esize != 0) return "input and output must be aligned to their element size";
+  if (in != out && in < out + bytes && out < in + bytes) return "input and output overlap without being the same buffer";
+  return nullptr;
 }
 
 void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
-  if (closed()) ROCENANTE_THROW(Closed, "communicator is closed");
-  check();
-  validate(in, out, count, dtype, op);
+  std::unique_lock<std::mutex> lock(issue_);
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (const uint64_t fault = current_fault()) fail(fault, "");
+  validate_shared(count, dtype, op);
   if (count == 0) return;
+  if (const char* why = validate_local(in, out, count, dtype)) {
+    lock.unlock();
+    refuse(describe_call(count, dtype, op) + ": " + why);
+  }
 
   AllReduceArgs a{};
   a.in = reinterpret_cast<const void*>(in);
@@ -142,41 +227,146 @@ void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType d
 
   if (kernel_) {
     kernel_->launch(a, stream);
+    ++issued_;
     return;
   }
-  const uint64_t fault = host_allreduce(a, host_epoch_);
-  if (fault != 0) fail(fault, describe_call(count, dtype, op));
-  ++host_epoch_;
+  const uint32_t epoch = ++issued_;
+  const uint64_t fault = host_allreduce(a, epoch, interrupt_check_);
+  if (fault == 0) return;
+  const std::string this_call = describe_call(count, dtype, op);
+  if (record(fault, epoch)) tell_peers(fault, epoch);
+  fail(fault_.load(), this_call);
+}
+
+void Communicator::refuse(const std::string& why) {
+  std::lock_guard<std::mutex> lock(issue_);
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
+  const uint32_t epoch = issued_ + 1;  // the call the peers are making
+  const uint64_t fault = encode_fault(Fault::kRefused, rank_, 0);
+  const std::string words = "rank " + std::to_string(rank_) + ": call " + std::to_string(epoch) + ": refused " + why +
+                            "; the peers had already started this call, so the communicator is closed and they "
+                            "were told";
+  if (record(fault, epoch, words)) {
+    tell_peers(fault, epoch);
+    transport_->post_abort(rank_, fault);  // our own kernels stop too (a graph may replay this call)
+  }
+  fail(fault_.load(), "");
 }
 
 void Communicator::check() {
-  if (closed() || !kernel_) return;
-  if (const uint64_t fault = kernel_->fault(); fault != 0) fail(fault, "");
+  if (const uint64_t fault = current_fault()) fail(fault, "");
+}
+
+uint32_t Communicator::fault_call() { return current_fault() != 0 ? fault_epoch_.load() : 0; }
+
+bool Communicator::record(uint64_t fault, uint32_t epoch, const std::string& words) {
+  std::lock_guard<std::mutex> lock(recording_);
+  if (fault_.load() != 0) return false;
+  message_ = words;
+  fault_epoch_.store(epoch);
+  fault_.store(fault);  // last: a reader that sees the word sees the epoch
+  return true;
+}
+
+std::string Communicator::message(const std::string& this_call) {
+  std::lock_guard<std::mutex> lock(recording_);
+  if (message_.empty()) message_ = describe(fault_.load(), fault_epoch_.load(), this_call);
+  return message_;
+}
+
+uint64_t Communicator::current_fault() {
+  if (const uint64_t f = fault_.load()) return f;
+  if (kernel_ == nullptr) return 0;
+  const FaultRecord r = kernel_->fault();
+  if (r.word != 0) record(r.word, r.epoch);
+  return fault_.load();
+}
+
+void Communicator::tell_peers(uint64_t fault, uint32_t epoch) {
+  for (int p = 0; p < world_; ++p)
+    if (p != rank_) transport_->post_abort(p, abort_from(fault, epoch));
+}
+
+void Communicator::report(const std::string& what) {
+  if (reported_.exchange(true)) return;
+  std::fprintf(stderr, "rocenante: %s\n", what.c_str());
+  std::fflush(stderr);
+  if (on_fault_ == OnFault::kAbort) {
+    std::fprintf(stderr, "rocenante: rank %d: ROCENANTE_ON_FAULT=abort: ending the process\n", rank_);
+    std::fflush(stderr);
+    std::abort();
+  }
+}
+
+void Communicator::watch() {
+  for (int p = 0; p < world_; ++p) {
+    if (pidfds_[p] < 0) continue;
+    pollfd fd{pidfds_[p], POLLIN, 0};
+    if (poll(&fd, 1, 0) <= 0) continue;  // still running
+    ::close(pidfds_[p]);
+    pidfds_[p] = -1;
+    // Not a fault yet: a peer may end after its last call. Every wait for it from now on stops and faults.
+    transport_->post_abort(rank_, encode_fault(Fault::kPeerExited, p, 0));
+  }
+  if (kernel_ == nullptr) return;  // CPU faults are reported by the call that meets them
+  if (current_fault() != 0) report(message(""));
+}
+
+std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::string& this_call) const {
+  const std::string where = "rank " + std::to_string(rank_) + ": call " + std::to_string(epoch) + ": ";
+  const std::string closed = "; the communicator is closed";
+  const uint32_t detail = fault_detail(fault);
+  switch (fault_kind(fault)) {
+    case Fault::kPeerTimeout: {
+      char seconds[32];
+      std::snprintf(seconds, sizeof(seconds), "%g", timeout_s_);
+      std::string missing;
+      for (int p = 0; p < world_; ++p)
+        if (detail & (1u << p)) missing += " " + std::to_string(p);
+      return where + "timed out after " + seconds + " s waiting for rank(s)" + missing + closed;
+    }
+    case Fault::kCallMismatch: {
+      const uint32_t sig = fault_value(fault);
+      return where + "rank " + std::to_string(detail) + " called all_reduce with " +
+             describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig)) +
+             (this_call.empty() ? "" : ", this rank with " + this_call) +
+             "; every rank must pass the same size, dtype and op. The communicator is closed";
+    }
+    case Fault::kPeerAborted:
+      return where + "rank " + std::to_string(detail) + " aborted the communicator: " + abort_reason(fault_value(fault)) + closed;
+    case Fault::kPeerExited:
+      return where + "rank " + std::to_string(detail) + "'s process ended" + closed;
+    case Fault::kRefused: break;  // recorded with its words (refuse())
+    case Fault::kInterrupted:
+      return where + "interrupted by a signal while waiting for peers; they were told" + closed;
+    case Fault::kNone: break;
+  }
+  return where + "unknown fault " + std::to_string(fault) + closed;
 }
 
 void Communicator::fail(uint64_t fault, const std::string& this_call) {
-  faulted_ = true;
-  const std::string who = "rank " + std::to_string(rank_) + ": ";
-  if (fault_kind(fault) == Fault::kPeerTimeout) {
-    char seconds[32];
-    std::snprintf(seconds, sizeof(seconds), "%g", timeout_s_);
-    std::string missing;
-    for (int p = 0; p < world_; ++p)
-      if (fault_detail(fault) & (1u << p)) missing += " " + std::to_string(p);
-    ROCENANTE_THROW(PeerTimeout, who + "timed out after " + seconds + " s waiting for rank(s)" + missing +
-                                     "; the communicator is closed");
+  const std::string what = message(this_call);
+  report(what);
+  switch (fault_kind(fault)) {
+    case Fault::kPeerTimeout: ROCENANTE_THROW(PeerTimeout, what);
+    case Fault::kCallMismatch: ROCENANTE_THROW(CallMismatch, what);
+    case Fault::kPeerAborted:  // a peer's timeout or mismatch keeps its class on every rank it reaches
+      if (Fault(fault_value(fault) >> 24) == Fault::kPeerTimeout) ROCENANTE_THROW(PeerTimeout, what);
+      if (Fault(fault_value(fault) >> 24) == Fault::kCallMismatch) ROCENANTE_THROW(CallMismatch, what);
+      ROCENANTE_THROW(PeerAborted, what);
+    case Fault::kRefused: ROCENANTE_THROW(InvalidArgument, what);
+    case Fault::kInterrupted: ROCENANTE_THROW(Interrupted, what);
+    default: ROCENANTE_THROW(PeerAborted, what);
   }
-  const uint32_t sig = fault_value(fault);
-  ROCENANTE_THROW(CallMismatch, who + "rank " + std::to_string(fault_detail(fault)) + " called all_reduce with " +
-                                    describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig)) +
-                                    (this_call.empty() ? "" : ", this rank with " + this_call) +
-                                    "; every rank must pass the same size, dtype and op. The communicator is closed");
 }
 
 void Communicator::close() {
+  Watchdog::remove(this);  // from here on the watchdog no longer reads this communicator
+  std::lock_guard<std::mutex> lock(issue_);
   kernel_.reset();  // waits for our kernels before the regions they write go away
   transport_.reset();
-  faulted_ = false;
+  for (int& fd : pidfds_)
+    if (fd >= 0) ::close(fd), fd = -1;
 }
 
 }  // namespace rocenante

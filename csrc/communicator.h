@@ -3,8 +3,10 @@
 // The communicator itself is torch-free: raw pointers, dtype enums, streams as integers.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,10 +17,14 @@
 
 namespace rocenante {
 
+// What a rank does once it knows of a fault (ROCENANTE_ON_FAULT): raise it from every later call, or log it
+// and end the process with SIGABRT.
+enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
+
 class Communicator {
  public:
   // device < 0: CPU memory (shared-memory transport); otherwise the CUDA device ordinal.
-  Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s);
+  Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -30,34 +36,69 @@ class Communicator {
   void all_connected();
 
   // out[i] = op over ranks of in[i], for `count` elements. CPU: returns when done. GPU: enqueues one kernel on
-  // `stream` and returns; a fault that kernel hits is raised by the next call or by check().
+  // `stream` and returns; a fault that kernel hits is raised by the next call or by check(). Calls from any
+  // thread and stream execute in the order they are issued here.
   void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
-  // Raises (and closes) if a launched kernel recorded a fault; otherwise does nothing.
+  // A call this rank refuses for a reason its peers cannot see (a bad pointer, device or layout): their side
+  // of the call is already under way, so the communicator faults, tells them, and raises InvalidArgument.
+  [[noreturn]] void refuse(const std::string& why);
+  // Raises the communicator's fault, if it has one (a kernel's, a peer's, a refusal); otherwise nothing.
   void check();
   void close();
 
-  // True after close(), and after a fault (whose resources close() then frees).
-  bool closed() const { return transport_ == nullptr || faulted_; }
+  // For the watchdog thread (watchdog.h): reads the peers' process handles and the kernel's fault record.
+  void watch();
+
+  // True after close(), and after a fault.
+  bool closed() const { return transport_ == nullptr || fault_.load() != 0; }
+  // The call number (epoch) of the recorded fault, 0 if none; and the number of calls issued so far (the
+  // epoch of the last one, when no captured graph has replayed calls on the device).
+  uint32_t fault_call();
+  uint32_t calls_issued() const { return issued_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   int device() const { return device_; }
   size_t capacity_bytes() const { return layout_.capacity_bytes; }
   double timeout_s() const { return timeout_s_; }
 
+  // How host waits (the CPU path) learn of Ctrl-C; set once by the bindings.
+  static void set_interrupt_check(InterruptCheck check) { interrupt_check_ = check; }
+
  private:
-  void validate(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op) const;
-  // Marks the communicator closed and throws the error that `fault` describes.
+  void validate_shared(size_t count, DType dtype, ReduceOp op) const;
+  const char* validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
+  // Records `fault` (the first one stays) for call `epoch`, with its words if they are known already (a
+  // refusal's); true if it was the first.
+  bool record(uint64_t fault, uint32_t epoch, const std::string& words = "");
+  // Reads a fault the kernel recorded into the host's record.
+  uint64_t current_fault();
+  // The recorded fault in words, fixed the first time it is asked for, so that every later raise repeats it.
+  std::string message(const std::string& this_call);
+  // Logs `what` once and applies on_fault_.
+  void report(const std::string& what);
+  // Reports the recorded fault and throws the error it describes.
   [[noreturn]] void fail(uint64_t fault, const std::string& this_call);
+  std::string describe(uint64_t fault, uint32_t epoch, const std::string& this_call) const;
+  void tell_peers(uint64_t fault, uint32_t epoch);
 
   int rank_;
   int world_;
   int device_;
   double timeout_s_;
+  OnFault on_fault_;
   RegionLayout layout_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
-  bool faulted_ = false;
-  uint32_t host_epoch_ = 1;  // CPU path: this call's number; the GPU path keeps its epoch on the device
+  std::mutex issue_;                       // one call issued at a time: issue order is execution order
+  std::atomic<uint32_t> issued_{0};        // calls issued; the CPU path's epoch is issued_ + 1
+  std::mutex recording_;                   // guards the fault record's writes and message_
+  std::atomic<uint64_t> fault_{0};         // the first fault this rank knows of (0: none); written last
+  std::atomic<uint32_t> fault_epoch_{0};
+  std::string message_;                    // the fault in words, once known
+  std::atomic<bool> reported_{false};
+  std::vector<int> pidfds_;   // one per peer whose process the watchdog can watch, else -1
+
+  static InterruptCheck interrupt_check_;
 };
 
 }  // namespace rocenante

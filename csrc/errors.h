@@ -23,7 +23,15 @@ struct PeerTimeout : Error {
 struct CallMismatch : Error {
   using Error::Error;
 };
-// The communicator was closed (by the user, or after one of the errors above).
+// A peer aborted the communicator (it faulted, refused a call, was interrupted) or its process ended.
+struct PeerAborted : Error {
+  using Error::Error;
+};
+// A signal (Ctrl-C) interrupted a wait for peers; the peers were told. Raised as a KeyboardInterrupt.
+struct Interrupted : Error {
+  using Error::Error;
+};
+// The communicator was closed by the user.
 struct Closed : Error {
   using Error::Error;
 };

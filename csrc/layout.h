@@ -1,8 +1,10 @@
 // The receive region every rank exposes to its peers, and the line format that carries data into it.
 // Shared by the host path (shared memory, CPU reduction) and the kernel (CUDA IPC): one protocol, one layout.
 //
-// Region of rank r:   slot[2] x source[world] x line[capacity_bytes / 8]      (Line = 16 bytes)
-//   written by: source s writes only source[s] of every peer's region (its own input, pushed);
+// Region of rank r:   header (abort[world]) | slot[2] x source[world] x line[capacity_bytes / 8]   (Line = 16 bytes)
+//   written by: source s writes only abort[s] and source[s] of every peer's region (its own input, pushed);
+//               r's own host writes abort[r] of r's region (a fault only it knows of: a peer's process ended,
+//               a call it refused), which stops r's own waits;
 //   read by:    rank r reads source[*] of its own region, then writes every line it read back to zero.
 //
 // Line: {data0, flag, data1, flag} carries 8 payload bytes. The sender writes it with one 16-byte store and
@@ -21,6 +23,14 @@
 // Why two slots suffice: calls alternate slots (slot = epoch & 1). A sender in call e+1 writes slot (e+1)&1,
 // last read by the receiver in call e-1. The sender got past call e only after receiving the receiver's data
 // for call e, which the receiver sends only after it finished (and zeroed) everything of call e-1.
+// That argument needs calls to execute in the order every rank issued them: the communicator orders each
+// call after the previous one whatever stream or thread issues it (communicator.cc).
+//
+// Abort words: a rank that faults (timeout, mismatch, a call it refused alone, Ctrl-C) writes a nonzero
+// abort word, encode_fault(its fault kind, detail, its epoch), into abort[rank] of every peer's region, over
+// the same transport as the data. Every wait polls its own header at each timer read, so a survivor stops
+// waiting for a peer known to be gone instead of running into the timeout. Abort words are never cleared:
+// a faulted communicator stays faulted, and every output it does not compute is poisoned (poison_word()).
 #pragma once
 
 #include <cstddef>
@@ -78,27 +88,75 @@ ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 
 ROCENANTE_HD uint32_t make_flag(uint32_t signature, uint32_t epoch) { return (signature ^ (epoch << 1)) | 1u; }
 ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (flag ^ (epoch << 1)) & ~1u; }
 
+// The region header: one abort word per source rank, padded so that the slots start on a 512-byte boundary
+// (a warp's 16-byte stores then cover whole sectors).
+constexpr size_t kHeaderBytes = 512;
+static_assert(kMaxRanks * sizeof(uint64_t) <= kHeaderBytes, "the header holds one abort word per rank");
+
 struct RegionLayout {
   size_t capacity_bytes;  // largest payload of one call, a multiple of kCapacityGranule
   int world;
 
   ROCENANTE_HD size_t lines_per_source() const { return capacity_bytes / kLinePayloadBytes; }
-  ROCENANTE_HD size_t region_bytes() const { return 2 * size_t(world) * lines_per_source() * sizeof(Line); }
+  ROCENANTE_HD size_t region_bytes() const {
+    return kHeaderBytes + 2 * size_t(world) * lines_per_source() * sizeof(Line);
+  }
   // First line of `source`'s data in `slot` of a region.
   ROCENANTE_HD size_t line_index(int slot, int source) const {
-    return (size_t(slot) * world + source) * lines_per_source();
+    return kHeaderBytes / sizeof(Line) + (size_t(slot) * world + source) * lines_per_source();
   }
 };
+// abort[source] of a region.
+ROCENANTE_HD uint64_t* abort_word(Line* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
 
-// Why a call failed, packed in one 64-bit word so that one plain store publishes it whole
-// (the kernel writes it to mapped host memory; the host path returns it).
-enum class Fault : uint32_t { kNone = 0, kPeerTimeout = 1, kCallMismatch = 2 };
-// kPeerTimeout: detail = bit mask of the peers not arrived.  kCallMismatch: detail = peer, value = its signature.
+// Why a call failed, packed in one 64-bit word so that one plain store publishes it whole.
+enum class Fault : uint32_t {
+  kNone = 0,
+  kPeerTimeout = 1,   // detail: bit mask of the peers that did not arrive
+  kCallMismatch = 2,  // detail: the peer; value: the signature of the call it made
+  kPeerAborted = 3,   // detail: the peer whose abort word we read; value: abort_cause() of that word
+  kPeerExited = 4,    // detail: the peer whose process ended (seen by this rank's watchdog)
+  kRefused = 5,       // detail: the rank that refused a call for a reason only it could see
+  kInterrupted = 6,   // detail: the rank whose wait a signal (Ctrl-C) interrupted
+};
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;
 }
 ROCENANTE_HD Fault fault_kind(uint64_t w) { return Fault(w >> 56); }
 ROCENANTE_HD uint32_t fault_detail(uint64_t w) { return uint32_t(w >> 32) & 0xFFFFFFu; }
 ROCENANTE_HD uint32_t fault_value(uint64_t w) { return uint32_t(w); }
+// An abort word is the root cause (kind and detail) of the writer's fault, with its epoch as value: a rank that
+// aborts because a peer did passes that peer's cause on, so every rank names the same root cause.
+ROCENANTE_HD uint64_t abort_from(uint64_t own_fault, uint32_t epoch) {
+  if (fault_kind(own_fault) == Fault::kPeerAborted)
+    return encode_fault(Fault(fault_value(own_fault) >> 24), fault_value(own_fault) & 0xFFFFFFu, epoch);
+  return encode_fault(fault_kind(own_fault), fault_detail(own_fault), epoch);
+}
+ROCENANTE_HD uint32_t abort_cause(uint64_t abort) { return (uint32_t(abort >> 56) << 24) | fault_detail(abort); }
+// What a rank records when it reads `abort` in abort[source] of its region.
+ROCENANTE_HD uint64_t peer_aborted(int source, uint64_t abort) {
+  return encode_fault(Fault::kPeerAborted, source, abort_cause(abort));
+}
+
+// Where a rank records its first fault: the word, then the call (epoch) it happened in.
+// On the GPU it lives in mapped host memory: the kernel writes epoch, then the word (release, system scope);
+// the host reads the word (acquire), then the epoch.
+struct FaultRecord {
+  uint64_t word;
+  uint32_t epoch;
+  uint32_t zero;
+};
+
+// The bits every output element that a faulted call does not compute is set to: a quiet NaN, and for int32,
+// which has no NaN, INT32_MIN (0x80000000). One 32-bit word holds one float32/int32 or two 16-bit elements.
+ROCENANTE_HD uint32_t poison_word(DType d) {
+  switch (d) {
+    case DType::kFloat32: return 0x7FC00000u;
+    case DType::kFloat16: return 0x7E007E00u;
+    case DType::kBFloat16: return 0x7FC07FC0u;
+    case DType::kInt32: return 0x80000000u;
+  }
+  return 0;
+}
 
 }  // namespace rocenante

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -63,6 +64,15 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
                 p.kill()
                 p.join()
     return results
+
+
+def record_figure(name: str, value: float) -> None:
+    """Appends a measured figure (a detection time, a count) to $ROCENANTE_TEST_FIGURES, when it is set, as one
+    JSON line: benchmarks/gpu_machine.sh keeps them beside the test log."""
+    path = os.environ.get("ROCENANTE_TEST_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"figure": name, "value": value}) + "\n")
 
 
 def expect_ok(results: list) -> list:

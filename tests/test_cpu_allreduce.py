@@ -85,7 +85,7 @@ def _one_rank_absent(store, rank, world):
     except rocenante.PeerTimeoutError as err:
         elapsed = time.monotonic() - start
         assert comm.closed, "the communicator must be closed after a timeout"
-        with pytest.raises(rocenante.ClosedError):
+        with pytest.raises(rocenante.PeerTimeoutError, match="call 1: timed out"):  # the original fault, again
             comm.all_reduce(torch.ones(100))
         return str(err), elapsed
     raise AssertionError("all_reduce returned without the absent peer")
@@ -110,6 +110,9 @@ def _mismatch(store, rank, world, kind):
         comm.all_reduce(x, op=op)
     except rocenante.CallMismatchError as err:
         assert comm.closed
+        with pytest.raises(rocenante.CallMismatchError) as again:
+            comm.all_reduce(x, op=op)
+        assert str(again.value) == str(err), "a later call raises the original fault, word for word"
         return str(err)
     raise AssertionError("a mismatched call returned a result")
 
@@ -248,18 +251,36 @@ def solo(tmp_path):
     [
         (lambda c: c.all_reduce(torch.ones(4, dtype=torch.float64)), TypeError, "unsupported dtype torch.float64"),
         (lambda c: c.all_reduce(torch.ones(4), op="prod"), ValueError, "unsupported op 'prod'"),
-        (lambda c: c.all_reduce(torch.ones(4, 4).t()), ValueError, "contiguous"),
         (lambda c: c.all_reduce(torch.ones(257)), ValueError, "over this communicator's capacity of 1024 bytes"),
         (lambda c: c.all_reduce(torch.ones(4, dtype=torch.int32), op="avg"), ValueError, "avg is not defined for int32"),
-        (lambda c: c.all_reduce(torch.ones(4), out=torch.empty(5)), ValueError, "out must match the input"),
         (lambda c: c.all_reduce([1.0, 2.0]), TypeError, "takes a torch.Tensor"),
     ],
 )
-def test_bad_input_is_refused_clearly(solo, call, error, words):
+def test_bad_input_every_rank_shares_is_refused_and_leaves_it_usable(solo, call, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         call(solo)
     assert not solo.closed, "a refused argument must not close the communicator"
     assert torch.equal(solo.all_reduce(torch.arange(5.0)), torch.arange(5.0))
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda c: c.all_reduce(torch.ones(4, 4).t()), "non-contiguous tensor"),
+        (lambda c: c.all_reduce(torch.ones(4), out=torch.empty(5)), "out must match the input"),
+        (lambda c: c.all_reduce(torch.ones(4), out=torch.ones(8)[::2]), "non-contiguous out"),
+        (lambda c: c.all_reduce(torch.ones(4, device="meta")), "tensor on meta"),
+        (lambda c: (lambda b: c.all_reduce(b[1:], out=b[:7]))(torch.ones(8)), "overlap"),
+    ],
+)
+def test_bad_input_only_this_rank_sees_closes_it_and_every_later_call_raises(solo, call, words):
+    with pytest.raises(ValueError, match=words) as first:
+        call(solo)
+    assert solo.closed, "the peers have started the call: the communicator must not be usable"
+    for later in (lambda: solo.all_reduce(torch.arange(5.0)), solo.synchronize):
+        with pytest.raises(ValueError) as again:
+            later()
+        assert str(again.value) == str(first.value), "later calls raise the original refusal"
 
 
 def test_gpu_communicator_refused_without_gpu(tmp_path):

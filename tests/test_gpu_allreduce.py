@@ -144,7 +144,7 @@ def test_thousand_graph_replays_with_new_inputs():
 def _killed_peer(store, rank, world):
     import rocenante
 
-    comm = _comm(store, rank, world, timeout_s=2.0)
+    comm = _comm(store, rank, world, timeout_s=60.0)
     x = torch.randn(10000, device=f"cuda:{rank}")
     comm.all_reduce(x)
     comm.synchronize()
@@ -155,7 +155,7 @@ def _killed_peer(store, rank, world):
     comm.all_reduce(x)
     try:
         comm.synchronize()
-    except rocenante.PeerTimeoutError as err:
+    except rocenante.PeerAbortedError as err:
         elapsed = time.monotonic() - start
         assert comm.closed
         comm.close()
@@ -165,10 +165,10 @@ def _killed_peer(store, rank, world):
     raise AssertionError("all_reduce completed without the killed peer")
 
 
-def test_killed_peer_raises_within_timeout_naming_it():
+def test_killed_peer_raises_at_once_naming_it():
     message, elapsed = run_ranks(WORLD, _killed_peer, timeout=120)[0]
-    assert "rank(s) 1" in message, message
-    assert 1.9 <= elapsed < 10, elapsed
+    assert "rank 1's process ended" in message, message
+    assert elapsed < 2.0, f"{elapsed:.2f} s with a 60 s timeout: the watchdog should have told the kernel"
 
 
 def _mismatch(store, rank, world):
@@ -232,16 +232,17 @@ def test_cupy_arrays():
     assert expect_ok(run_ranks(WORLD, _cupy_arrays, timeout=120)) == [True, True]
 
 
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+# The kernel uses no shared memory, so racecheck would check nothing: memcheck (bad accesses), initcheck
+# (reads of memory nothing wrote) and synccheck (barriers) do.
+@pytest.mark.parametrize("tool", ["memcheck", "initcheck", "synccheck"])
 def test_compute_sanitizer_is_clean(tool):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
-        pytest.skip("compute-sanitizer is not on PATH")
+        pytest.skip("compute-sanitizer is not on PATH (benchmarks/gpu_machine.sh fails instead)")
     workload = os.path.join(os.path.dirname(__file__), "sanitizer_workload.py")
     proc = subprocess.run(
         [exe, "--tool", tool, "--target-processes", "all", "--error-exitcode", "3", sys.executable, workload],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    summary = "ERROR SUMMARY: 0 errors" if tool == "memcheck" else "RACECHECK SUMMARY: 0 hazards displayed (0 errors"
-    assert summary in proc.stdout, proc.stdout[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout, proc.stdout[-4000:]

@@ -1,5 +1,8 @@
-// The only memory accesses of the protocol that cross GPUs. See layout.h for why 16-byte volatile accesses
-// with the flag in each 8-byte half need no fence: a half is written and observed whole.
+// Every memory access of the kernel that another grid, GPU or the host observes, with the ordering it needs.
+// Lines: see layout.h for why 16-byte volatile accesses with the flag in each 8-byte half need no fence (a
+// half is written and observed whole). Epoch: read by a CTA at its start and advanced at its end, seen by the
+// next launch on this GPU. Fault record and abort words: seen by the host and by peer GPUs (system scope);
+// the release orders what a thread wrote before them (e.g. the record's epoch) first.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +29,33 @@ __device__ __forceinline__ Line load_line(const Line* p) {
 
 __device__ __forceinline__ void zero_line(Line* p) {
   asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(p), "r"(0u) : "memory");
+}
+
+// The epoch is relaxed (yet strong, GPU scope: no data race in PTX's model) on purpose. Within a launch a copy
+// is read and written only by one CTA, its read and its write separated by __syncthreads; between launches the
+// kernel boundary (with PDL, griddepcontrol.wait: the previous grid has completed and its writes are visible)
+// orders them. Acquire/release would order nothing more, and cost 1.2 us per call at 1 KiB on 2 x H200
+// (median of 5 alternated runs, benchmarks/results/h200x2-ordering-ab-rejected.json), presumably because the
+// release store waits for the thread's NVLink stores to complete.
+__device__ __forceinline__ uint32_t load_epoch(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_epoch(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Generic addressing: these words live in device memory (ours or a peer's) or in mapped host memory.
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -6,9 +6,12 @@
 //          rank order (fp32 accumulation), writes the output chunk and zeroes the lines it consumed.
 //
 // No CTA waits for another CTA and no thread waits for anything but its own chunk's lines, so there is no
-// barrier round: the flag travels inside the data (layout.h). A thread that waits longer than the timeout
-// records which peers were missing and the kernel ends normally; the host raises before the next launch.
+// barrier round: the flag travels inside the data (layout.h). A thread that waits past the timeout, sees a
+// call mismatch or reads an abort word records the fault and tells every peer (abort words); from then on
+// every chunk it and any later launch would have computed is poisoned instead, decided here on the device,
+// so graph replays after a fault produce NaN (int32: INT32_MIN), never a stale or partial sum.
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "../chunk_reduce.h"
@@ -22,6 +25,10 @@ namespace {
 // Most CTAs one launch uses; also the number of epoch copies (see DeviceState::epochs).
 constexpr int kMaxBlocks = 256;
 
+// Bits of DeviceState::fault_mask besides the missing peers.
+constexpr uint32_t kFaulted = 0x80000000u;       // some thread of this or an earlier launch faulted
+constexpr uint32_t kNotATimeout = 0x40000000u;   // ... with a fault other than a timeout (it is kept as is)
+
 // Per-communicator state the kernel keeps on the device between launches, so that a captured CUDA graph
 // replays correctly: nothing per call comes from the host except the launch parameters.
 struct DeviceState {
@@ -29,14 +36,15 @@ struct DeviceState {
   // epoch+1 to every copy j with j % gridDim == b. Every copy is thus advanced exactly once per call, by the
   // only CTA that reads it, so all copies stay equal without any synchronisation between CTAs.
   uint32_t* epochs;
-  // Device word: bit mask of peers a thread gave up on, so the other threads stop waiting early.
+  // Device word, never cleared: kFaulted | kNotATimeout? | bit mask of peers a thread gave up on. Threads
+  // poll it at their timer reads; a launch that finds it set poisons its whole output.
   uint32_t* fault_mask;
-  // Mapped host word (encode_fault): the host reads it before each launch and raises.
-  uint64_t* fault_host;
+  // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
+  FaultRecord* record;
 };
 
 constexpr int kThreads = 256;         // per CTA; small messages use fewer (a multiple of a warp)
-constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault word
+constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault words
 
 __device__ void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
   const size_t begin = c * kChunkBytes;
@@ -80,11 +88,35 @@ __device__ void store_chunk(const AllReduceArgs& a, size_t c, const uint32_t (&w
   }
 }
 
-__device__ void report_fault(const DeviceState& s, uint64_t fault, uint32_t missing_mask) {
-  const uint32_t seen = atomicOr(s.fault_mask, missing_mask | 0x80000000u) | missing_mask;
-  if (fault_kind(fault) == Fault::kPeerTimeout) fault = encode_fault(Fault::kPeerTimeout, seen & 0xFFFFFFu, 0);
-  *reinterpret_cast<volatile uint64_t*>(s.fault_host) = fault;
-  __threadfence_system();
+__device__ void store_poison(const AllReduceArgs& a, size_t c) {
+  const uint32_t p = poison_word(a.dtype);
+  const uint32_t w[4] = {p, p, p, p};
+  store_chunk(a, c, w);
+}
+
+// Records `fault` (a timeout's peers are merged across threads) and, for the first fault of the
+// communicator, writes our abort word into every peer's region.
+__device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
+  const bool timeout = fault_kind(fault) == Fault::kPeerTimeout;
+  const uint32_t missing = timeout ? fault_detail(fault) : 0;
+  const uint32_t before = atomicOr(s.fault_mask, kFaulted | (timeout ? 0 : kNotATimeout) | missing);
+  if (before & kNotATimeout) return;
+  if (timeout) fault = encode_fault(Fault::kPeerTimeout, (before | missing) & 0xFFFFFFu, 0);
+  store_release_sys(&s.record->epoch, epoch);
+  store_release_sys(&s.record->word, fault);
+  if (before != 0) return;
+#pragma unroll
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (p < a.world && p != a.rank) store_release_sys(abort_word(a.peer[p], a.rank), abort_from(fault, epoch));
+}
+
+// At a timer read: 0 to keep waiting, or the fault that ends the wait (an earlier fault of this launch is
+// reported as already recorded: kFaulted).
+__device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
+                                  uint32_t pending) {
+  if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
+  if (const uint64_t f = abort_seen(a, [](const uint64_t* w) { return load_acquire_sys(w); })) return f;
+  return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
 template <DType D, ReduceOp Op>
@@ -95,15 +127,17 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   // scheduled, and that kernel in turn waits for our completion. No data moves before the wait.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
-  const uint32_t epoch = s.epochs[blockIdx.x];
+  const uint32_t epoch = load_epoch(&s.epochs[blockIdx.x]);
   const int slot = epoch & 1;
   const uint32_t flag = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   const size_t send_base = a.layout.line_index(slot, a.rank);
+  // A communicator that faulted before this launch sends nothing and poisons everything.
+  bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
 
-  for (size_t c = first; c < chunks; c += stride) {
+  for (size_t c = first; c < chunks && !failed; c += stride) {
     uint32_t w[4];
     load_chunk(a, c, w);
 #pragma unroll
@@ -116,15 +150,21 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   }
 
   uint64_t deadline = 0;  // set at the first timer read, so a call whose peers are already there never reads it
-  bool failed = false;
-  for (size_t c = first; c < chunks && !failed; c += stride) {
+  for (size_t c = first; c < chunks; c += stride) {
+    if (failed) {
+      store_poison(a, c);
+      continue;
+    }
     uint32_t own[4];
     load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
     // Poll every peer's two lines for this chunk until all carry our flag. Indices into `got` are
     // compile-time constants after unrolling, so the lines stay in registers.
     Line got[kMaxRanks][kLinesPerChunk];
     uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
-    for (int polls = 1; pending != 0; ++polls) {
+    // A fault found at a timer read ends the wait after one more poll of the lines: a peer whose call differs
+    // writes its lines before it aborts, and this rank should name that call rather than relay the abort.
+    uint64_t fault = 0;
+    for (int polls = 1;; ++polls) {
 #pragma unroll
       for (int p = 0; p < kMaxRanks; ++p) {
         if (!(pending & (1u << p))) continue;
@@ -135,28 +175,30 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
         bool arrived = true;
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          if (f[h] != flag && f[h] != 0) {  // the peer made a different call: say which
-            report_fault(s, encode_fault(Fault::kCallMismatch, p, flag_signature(f[h], epoch)), 0);
+          if (f[h] != flag && f[h] != 0 && !failed) {  // the peer made a different call: say which
+            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(f[h], epoch)), epoch);
             failed = true;
           }
           arrived &= f[h] == flag;
         }
         if (arrived) pending &= ~(1u << p);
       }
-      if (failed) break;
-      if (pending != 0 && polls % kPollsPerClockRead == 0) {
+      if (failed || pending == 0) break;
+      if (fault != 0) {
+        if (fault != kFaulted) record_fault(a, s, fault, epoch);
+        failed = true;
+        break;
+      }
+      if (polls % kPollsPerClockRead == 0) {
         const uint64_t now = global_timer_ns();
         if (deadline == 0) deadline = now + a.timeout_ns;
-        if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) {
-          failed = true;  // another thread already gave up: stop waiting too
-        } else if (now > deadline) {
-          report_fault(s, encode_fault(Fault::kPeerTimeout, pending, 0), pending);
-          failed = true;
-        }
-        if (failed) break;
+        fault = check_waiting(a, s, now, deadline, pending);
       }
     }
-    if (failed) break;
+    if (failed) {
+      store_poison(a, c);
+      continue;
+    }
 
     typename Chunk<D>::Acc acc[Chunk<D>::kElems];
 #pragma unroll
@@ -180,7 +222,8 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
   // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
   __syncthreads();
-  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < kMaxBlocks; j += gridDim.x * blockDim.x) s.epochs[j] = epoch + 1;
+  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < kMaxBlocks; j += gridDim.x * blockDim.x)
+    store_epoch(&s.epochs[j], epoch + 1);
 }
 
 struct LaunchShape {
@@ -197,19 +240,26 @@ LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
   return {int(blocks), kThreads};
 }
 
+
 class CudaOneshotKernel final : public OneshotKernel {
  public:
   explicit CudaOneshotKernel(int device) : device_(device) {
     DeviceGuard guard(device_);
-    ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
-    ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kMaxBlocks * sizeof(uint32_t) + sizeof(uint32_t)));
-    state_.fault_mask = state_.epochs + kMaxBlocks;
-    std::vector<uint32_t> init(kMaxBlocks + 1, 1);  // every rank starts at epoch 1
-    init[kMaxBlocks] = 0;                           // fault_mask: no fault
-    ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
-    ROCENANTE_CHECK_CUDA(cudaHostAlloc(&fault_host_, sizeof(uint64_t), cudaHostAllocMapped));
-    *fault_host_ = 0;
-    ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_.fault_host), fault_host_, 0));
+    try {
+      ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
+      ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kMaxBlocks * sizeof(uint32_t) + sizeof(uint32_t)));
+      state_.fault_mask = state_.epochs + kMaxBlocks;
+      std::vector<uint32_t> init(kMaxBlocks + 1, 1);  // every rank starts at epoch 1
+      init[kMaxBlocks] = 0;                           // fault_mask: no fault
+      ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord), cudaHostAllocMapped));
+      *host_ = FaultRecord{};
+      ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_.record), host_, 0));
+      ROCENANTE_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
+    } catch (...) {
+      release();
+      throw;
+    }
   }
 
   ~CudaOneshotKernel() override {
@@ -217,35 +267,70 @@ class CudaOneshotKernel final : public OneshotKernel {
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
     cudaDeviceSynchronize();  // no kernel of ours may still use the state
-    cudaFree(state_.epochs);
-    cudaFreeHost(fault_host_);
+    release();
     cudaSetDevice(previous);
   }
 
-  void launch(const AllReduceArgs& args, uintptr_t stream) override {
+  void launch(const AllReduceArgs& args, uintptr_t stream_handle) override {
     DeviceGuard guard(device_);
-    const LaunchShape shape = oneshot_shape(args.bytes, multiprocessors_);
+    const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+    order_after_previous_call(stream);
+    const AllReduceArgs& a = args;
+    const LaunchShape shape = oneshot_shape(a.bytes, multiprocessors_);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(shape.blocks);
     config.blockDim = dim3(shape.threads);
-    config.stream = reinterpret_cast<cudaStream_t>(stream);
+    config.stream = stream;
     config.attrs = &overlap;
     config.numAttrs = 1;
-    dispatch_dtype_op(args.dtype, args.op, [&]<DType D, ReduceOp Op>() {
-      ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op>, args, state_));
+    dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() {
+      ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op>, a, state_));
     });
+    previous_stream_ = stream;
   }
 
-  uint64_t fault() const override { return *reinterpret_cast<volatile uint64_t*>(fault_host_); }
+  FaultRecord fault() const override {
+    FaultRecord r{};
+    r.word = __atomic_load_n(&host_->word, __ATOMIC_ACQUIRE);
+    if (r.word != 0) r.epoch = __atomic_load_n(&host_->epoch, __ATOMIC_RELAXED);
+    return r;
+  }
 
  private:
+  // Calls run in the order they are issued (the epoch and slot protocol of layout.h relies on it). On one
+  // stream that is stream order, and programmatic dependent launch keeps its overlap. When the stream differs
+  // from the previous call's, the new stream first waits for everything enqueued so far on the previous one:
+  // between two eager calls, or two calls of one graph capture (forked streams). Between separate graphs, or a
+  // graph and eager calls, no event can express the order: that is the caller's (README, "Guarantees").
+  void order_after_previous_call(cudaStream_t stream) {
+    if (!previous_stream_ || *previous_stream_ == stream) return;
+    cudaStreamCaptureStatus now = cudaStreamCaptureStatusNone, before = cudaStreamCaptureStatusNone;
+    unsigned long long now_id = 0, before_id = 0;
+    ROCENANTE_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &now, &now_id));
+    ROCENANTE_CHECK_CUDA(cudaStreamGetCaptureInfo(*previous_stream_, &before, &before_id));
+    const bool both_eager = now == cudaStreamCaptureStatusNone && before == cudaStreamCaptureStatusNone;
+    const bool one_capture = now == cudaStreamCaptureStatusActive && before == cudaStreamCaptureStatusActive &&
+                             now_id == before_id;
+    if (!both_eager && !one_capture) return;
+    ROCENANTE_CHECK_CUDA(cudaEventRecord(order_event_, *previous_stream_));
+    ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(stream, order_event_, 0));
+  }
+
+  void release() noexcept {
+    if (order_event_ != nullptr) cudaEventDestroy(order_event_);
+    if (state_.epochs != nullptr) cudaFree(state_.epochs);
+    if (host_ != nullptr) cudaFreeHost(host_);
+  }
+
   int device_;
   int multiprocessors_ = 0;
   DeviceState state_{};
-  uint64_t* fault_host_ = nullptr;
+  FaultRecord* host_ = nullptr;  // mapped: state_.record is its device address
+  cudaEvent_t order_event_ = nullptr;
+  std::optional<cudaStream_t> previous_stream_;
 };
 
 }  // namespace

@@ -12,10 +12,11 @@ namespace rocenante {
 class OneshotKernel {
  public:
   virtual ~OneshotKernel() = default;
-  // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer).
+  // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer), ordered after the
+  // previous call whatever its stream (the caller serialises calls to launch()).
   virtual void launch(const AllReduceArgs& args, uintptr_t stream) = 0;
-  // 0, or the encode_fault() word the last faulting kernel recorded.
-  virtual uint64_t fault() const = 0;
+  // The first fault a kernel recorded (word 0 if none). Any thread may call it.
+  virtual FaultRecord fault() const = 0;
 };
 
 std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device);

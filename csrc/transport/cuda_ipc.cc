@@ -22,12 +22,16 @@ class CudaIpcTransport final : public Transport {
     ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
     ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
     ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
+    ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
+    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
   }
 
   ~CudaIpcTransport() override {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
+    if (abort_stream_ != nullptr) cudaStreamDestroy(abort_stream_);
+    if (abort_staging_ != nullptr) cudaFreeHost(abort_staging_);
     for (int p = 0; p < int(regions_.size()); ++p) {
       if (regions_[p] == nullptr) continue;
       if (p == rank_)
@@ -63,11 +67,27 @@ class CudaIpcTransport final : public Transport {
   Line* local_region() const override { return regions_[rank_]; }
   Line* peer_region(int peer) const override { return regions_[peer]; }
 
+  // A copy on a stream of our own, from pinned memory, so that it neither waits for our spinning kernels
+  // nor breaks a graph capture under way on another stream.
+  void post_abort(int peer, uint64_t word) noexcept override {
+    if (regions_[peer] == nullptr) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    *abort_staging_ = word;
+    if (cudaMemcpyAsync(abort_word(regions_[peer], rank_), abort_staging_, sizeof(word), cudaMemcpyHostToDevice,
+                        abort_stream_) == cudaSuccess)
+      cudaStreamSynchronize(abort_stream_);
+    cudaSetDevice(previous);
+  }
+
  private:
   int rank_;
   int device_;
   cudaIpcMemHandle_t handle_{};
   std::vector<Line*> regions_;
+  cudaStream_t abort_stream_ = nullptr;
+  uint64_t* abort_staging_ = nullptr;
 };
 
 }  // namespace

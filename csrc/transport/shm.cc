@@ -68,6 +68,9 @@ class ShmTransport final : public Transport {
 
   Line* local_region() const override { return regions_[rank_]; }
   Line* peer_region(int peer) const override { return regions_[peer]; }
+  void post_abort(int peer, uint64_t word) noexcept override {
+    if (regions_[peer] != nullptr) __atomic_store_n(abort_word(regions_[peer], rank_), word, __ATOMIC_RELEASE);
+  }
 
  private:
   Line* map(int fd) const {

@@ -26,6 +26,10 @@ class Transport {
   virtual Line* local_region() const = 0;
   // Where this rank writes to land in peer's region (the peer's mapped memory for direct transports).
   virtual Line* peer_region(int peer) const = 0;
+  // From the host: writes `word` into abort[rank] of peer's region (layout.h; peer == rank: our own region)
+  // and returns once it is there. Never throws: it runs on failure paths, where a peer that cannot be told
+  // will time out instead.
+  virtual void post_abort(int peer, uint64_t word) noexcept = 0;
 };
 
 // Same host, CPU memory: one POSIX shared-memory segment per rank.

@@ -6,6 +6,8 @@ from rocenante._C import (
     CallMismatchError,
     ClosedError,
     InvalidArgument,
+    Interrupted,
+    PeerAbortedError,
     PeerTimeoutError,
     RocenanteError,
 )
@@ -21,6 +23,8 @@ __all__ = [
     "ClosedError",
     "Communicator",
     "InvalidArgument",
+    "Interrupted",
+    "PeerAbortedError",
     "PeerTimeoutError",
     "RocenanteError",
     "status",

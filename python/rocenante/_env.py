@@ -36,6 +36,17 @@ def capacity_bytes() -> int:
     return _positive("ROCENANTE_CAPACITY_BYTES", int, DEFAULT_CAPACITY_BYTES)
 
 
+def on_fault() -> str:
+    """ROCENANTE_ON_FAULT: what a rank does once a communicator faults. "raise" (default): the fault is logged
+    once and every later call, synchronize(), Work.wait() and collective of the group raises it (outputs the
+    kernel could not compute are NaN, so graph replays are covered too). "abort": logged, then SIGABRT, for
+    serving engines whose supervisor restarts the process."""
+    raw = os.environ.get("ROCENANTE_ON_FAULT", "").strip().lower() or "raise"
+    if raw not in ("raise", "abort"):
+        raise ValueError(f"ROCENANTE_ON_FAULT={raw!r}: use raise or abort")
+    return raw
+
+
 def _flag(name: str) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):

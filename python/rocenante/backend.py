@@ -37,26 +37,55 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.
 _OP_TYPES = {name: op for op, name in _OPS.items()}
 
 
-class _DoneWork(Work):
-    """Work of a rocenante all-reduce. On the CPU it has completed; on CUDA it is enqueued on the stream that was
-    current at the call (kept as a raw handle: no Stream object on the hot path), so waiting means ordering the
-    caller's current stream after that one."""
+class _Work(Work):
+    """Work of a rocenante all-reduce, as ProcessGroupNCCL's. On the CPU the call has completed. On CUDA its kernel
+    is enqueued on the stream that was current at the call (kept as a raw handle: no Stream object on the hot
+    path): wait() orders the caller's current stream after that one and never blocks the host; is_completed()
+    queries an event recorded after the kernel (none under graph capture, where nothing runs yet);
+    get_future() is a CUDA-aware future completed in stream order. wait() and the future raise the
+    communicator's fault when it struck at or before this call."""
 
-    def __init__(self, tensors, device=None, raw_stream=0):
+    def __init__(self, tensors, group=None, comm=None, raw_stream=0, call=0, capturing=False):
         super().__init__()
         self._tensors = tensors
-        self._device = device
+        self._group = group
+        self._comm = comm  # None on the CPU
         self._raw_stream = raw_stream
+        self._call = call
+        self._end = None
+        if comm is not None and not capturing:
+            self._end = torch.cuda.Event()
+            self._end.record()  # on the current stream, the one the kernel went to
+
+    def _raise_fault(self):
+        if self._comm is not None:
+            self._group._raise_fault_up_to(self._comm, self._call)
 
     def wait(self, timeout=None):
-        if self._device is not None and _current_raw_stream(self._device.index) != self._raw_stream:
-            producer = torch.cuda.ExternalStream(self._raw_stream, device=self._device)
-            torch.cuda.current_stream(self._device).wait_stream(producer)
+        self._raise_fault()
+        device = None if self._comm is None else self._comm.device
+        if device is not None and _current_raw_stream(device.index) != self._raw_stream:
+            producer = torch.cuda.ExternalStream(self._raw_stream, device=device)
+            torch.cuda.current_stream(device).wait_stream(producer)
         return True
 
+    def is_completed(self):
+        return self._end is None or self._end.query()
+
     def get_future(self):
-        future = Future()
-        future.set_result(self._tensors)
+        if self._comm is None:
+            future = Future()
+            future.set_result(self._tensors)
+            return future
+        device = self._comm.device
+        future = Future(devices=[device])
+        try:
+            self._raise_fault()
+        except Exception as err:
+            future.set_exception(err)
+            return future
+        with torch.cuda.stream(torch.cuda.ExternalStream(self._raw_stream, device=device)):
+            future.set_result(self._tensors)  # records an event on this stream, which the future's waiters wait for
         return future
 
 
@@ -88,6 +117,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             self._fallback["cuda"] = nccl
         self._comms: dict[str, Communicator] = {}
         self._status: dict[str, dict] = {}
+        self._captured = False  # a CUDA call was captured: graph replays advance the device's call numbers
         for device_type in self._fallback:
             self._start(store, rank, size, device_type, timeout, group_name)
 
@@ -206,12 +236,31 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         comm = self._eligible(t, op) if len(tensors) == 1 else None
         if comm is None:
             return self._delegate(t).allreduce(tensors, opts)
+        self._raise_if_broken()
+        if t.is_cuda and t.get_device() != comm._cuda_index:  # only this rank can see it: the peers have started
+            comm._refuse(f"a tensor on {t.device}, this process group's communicator is on {comm.device}")
         dense = t if t.is_contiguous() else t.contiguous()
         stream = comm.current_stream()
         comm._launch(dense, dense, op, stream)  # _eligible checked dtype, device and size
         if dense is not t:
             t.copy_(dense)
-        return _DoneWork(tensors, comm.device if t.is_cuda else None, stream)
+        if not t.is_cuda:
+            return _Work(tensors)
+        capturing = torch.cuda.is_current_stream_capturing()
+        self._captured = self._captured or capturing
+        return _Work(tensors, self, comm, stream, comm._c.calls_issued, capturing)
+
+    def _raise_if_broken(self) -> None:
+        """Once a communicator of the group has faulted, every collective raises that fault (the first one)."""
+        for comm in self._comms.values():
+            comm._c.check()
+
+    def _raise_fault_up_to(self, comm: Communicator, call: int) -> None:
+        """Raises comm's fault if it struck at or before `call` (with graphs, whose replays advance the device's
+        call numbers unseen by the host, any fault)."""
+        fault_call = comm._c.fault_call
+        if fault_call and (fault_call <= call or self._captured):
+            comm._c.check()
 
     def all_reduce_out_of_place(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
@@ -225,6 +274,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return out
 
     def _delegate(self, tensor):
+        self._raise_if_broken()
         return self._fallback["cuda" if tensor.is_cuda else tensor.device.type]
 
     def allreduce_coalesced(self, tensors, opts):
@@ -249,6 +299,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return self._delegate(tensors[0]).recv(tensors, src, tag)
 
     def barrier(self, opts):
+        self._raise_if_broken()
         return self._fallback["cpu"].barrier(opts)
 
     def status(self) -> dict:

@@ -118,7 +118,8 @@ class Communicator:
         self._c = None
         try:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
-            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s)
+            on_fault = _C.OnFault.abort if _env.on_fault() == "abort" else _C.OnFault.raise_
+            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault)
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
@@ -152,6 +153,10 @@ class Communicator:
         bfloat16 or int32, at most ``capacity_bytes`` large. ``op`` is "sum", "avg", "max", "min" or a
         ``torch.distributed.ReduceOp`` of those. On CUDA the call is enqueued on the current stream and
         returns at once; a peer fault it meets is raised by the next call or by :meth:`synchronize`.
+
+        A bad dtype, op or size is refused with the communicator left usable (every rank refuses alike). A
+        problem only this rank can see (device, layout, ``out``) is refused too, but the peers have started
+        the call already: the communicator faults, they are told, and every later call raises.
         """
         if not isinstance(x, torch.Tensor) and hasattr(x, "__cuda_array_interface__"):
             return self._all_reduce_cuda_array(x, op, out)
@@ -173,33 +178,40 @@ class Communicator:
 
         if out is None:
             out = cupy.empty_like(x)
-        tx, tout = torch.as_tensor(x, device=self.device), torch.as_tensor(out, device=self.device)
+        tx, tout = torch.as_tensor(x), torch.as_tensor(out)  # zero-copy views on the arrays' own devices
         self._check(tx, tout)
         self._launch(tx, tout, op, cupy.cuda.get_current_stream().ptr)
         return out
 
     def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Argument checks. What every rank's call shares (type, dtype) leaves the communicator usable; what
+        only this rank can see goes through _refuse."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"all_reduce takes a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"unsupported dtype {x.dtype}; rocenante supports float32, float16, bfloat16 and int32")
         if x.device != self.device:
-            raise ValueError(f"tensor is on {x.device}, this communicator on {self.device}")
+            self._refuse(f"a tensor on {x.device}, this communicator is on {self.device}")
         if not x.is_contiguous():
-            raise ValueError("all_reduce needs a contiguous tensor; call .contiguous() first")
+            self._refuse("a non-contiguous tensor (call .contiguous() first)")
         if out is None:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
         if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
-            raise ValueError(
-                f"out must match the input: got {out.dtype} {tuple(out.shape)} on {out.device}, "
-                f"input {x.dtype} {tuple(x.shape)} on {x.device}"
+            self._refuse(
+                f"an out that does not match the input: out must match the input, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}, input {x.dtype} {tuple(x.shape)} on {x.device}"
             )
         if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
+            self._refuse("a non-contiguous out (out must be contiguous)")
         return out
 
+    def _refuse(self, why: str):
+        """Raises ValueError for a call only this rank refuses; the communicator faults and tells its peers
+        (their side of the call is under way), so every later call raises this error."""
+        self._c.refuse(why)
+
     def synchronize(self) -> None:
-        """Waits for this communicator's work on the current stream and raises any fault it met."""
+        """Waits for the current stream and raises any fault this communicator met (every time, once faulted)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._c.check()

@@ -1,0 +1,219 @@
+"""Never a silent wrong answer, on the CPU path: call ordering across threads, a peer killed or stopped in the
+middle of a loop of calls, a call one rank refuses alone, Ctrl-C during a wait, and a broken backend group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import rocenante
+from multiproc import expect_ok, record_figure, run_ranks
+from reference import make_input, sequential_fp32
+
+CAPACITY = 64 << 10
+
+
+def _comm(store, rank, world, timeout_s=60.0):
+    return rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=timeout_s)
+
+
+def _two_threads(store, rank, world, rounds):
+    """Rank 0 issues thread A's call, then thread B's while A's is still waiting for rank 1 (late on purpose);
+    rank 1 issues A's, then B's. Issue order is matching order, so both calls must pair and be exact."""
+    comm = _comm(store, rank, world)
+    sizes = {"A": 1000, "B": 3000}  # a mispairing would be a CallMismatchError, never a sum
+    results: dict = {}
+
+    def call(name, i):
+        inputs = [make_input(i, len(name) + ord(name), r, sizes[name], torch.float32) for r in range(world)]
+        try:
+            got = comm.all_reduce(inputs[rank])
+            results[(name, i)] = torch.equal(got, sequential_fp32(inputs, "sum"))
+        except Exception as err:  # reported below, with the call it came from
+            results[(name, i)] = f"{type(err).__name__}: {err}"
+
+    for i in range(rounds):
+        if rank == 0:
+            a = threading.Thread(target=call, args=("A", i))
+            a.start()
+            time.sleep(0.01)  # A is now inside its call, waiting for rank 1
+            b = threading.Thread(target=call, args=("B", i))
+            b.start()
+            a.join()
+            b.join()
+        else:
+            time.sleep(0.05)
+            for name in "AB":
+                t = threading.Thread(target=call, args=(name, i))
+                t.start()
+                t.join()
+    comm.close()
+    return results
+
+
+def test_calls_from_two_threads_execute_in_issue_order():
+    for results in expect_ok(run_ranks(2, _two_threads, 10, timeout=120)):
+        bad = {k: v for k, v in results.items() if v is not True}
+        assert not bad and len(results) == 20, bad
+
+
+def _victim_loop(store, rank, world, how, timeout_s):
+    """Every rank loops on in-place all-reduces of finite data; the last rank is SIGKILLed, or SIGSTOPped for
+    4 s, at a moment its own timer picks (mostly inside a call). Returns each call's outcome."""
+    comm = _comm(store, rank, world, timeout_s=timeout_s)
+    victim = world - 1
+    if rank == victim:
+        pid = os.getpid()
+        if how == "kill":
+            threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        else:
+            subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -STOP {pid}; sleep 4; kill -CONT {pid}"])
+    outcomes = []  # ("ok" | "nan" | "mixed", i) for calls that returned; the error ends the list
+    for i in range(1_000_000):
+        x = torch.full((4096,), float(rank + 1 + i % 7))  # small integers: the sum is exact
+        want = torch.full_like(x, float(sum(r + 1 + i % 7 for r in range(world))))
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x, out=x)
+        except rocenante.RocenanteError as err:
+            exact, nan = (x == want), torch.isnan(x)
+            assert bool((exact | nan).all()), f"call {i}: an element is neither exact nor NaN"
+            elapsed = time.monotonic() - start
+            with pytest.raises(type(err)) as again:
+                comm.all_reduce(torch.ones(4))
+            assert str(again.value) == str(err), "a later call must raise the original fault"
+            return outcomes, type(err).__name__, str(err), elapsed
+        assert torch.equal(x, want), f"call {i} returned a wrong result without an error"
+        outcomes.append(i)
+    raise AssertionError("the loop never faulted")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_killed_peer_is_noticed_within_two_seconds_whatever_the_timeout(world):
+    results = run_ranks(world, _victim_loop, "kill", 60.0, timeout=120)
+    assert results[-1] == ("died", -signal.SIGKILL), results[-1]
+    for rank, (outcomes, kind, message, elapsed) in enumerate(expect_ok(results[:-1])):
+        assert outcomes, f"rank {rank} never completed a call before the kill"
+        assert kind == "PeerAbortedError", message
+        assert f"rank {world - 1}'s process ended" in message, message  # seen itself, or told by a peer
+        record_figure(f"cpu_killed_peer_detect_s_world{world}_rank{rank}", elapsed)
+        assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s to notice (timeout 60 s)"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stopped_peer_times_out_and_learns_of_it_when_continued(world):
+    results = expect_ok(run_ranks(world, _victim_loop, "stop", 2.0, timeout=120))
+    for rank, (outcomes, kind, message, elapsed) in enumerate(results[:-1]):
+        assert outcomes, f"rank {rank} never completed a call before the stop"
+        # The first survivor to time out tells the others, who may hear it before their own timeout.
+        assert kind == "PeerTimeoutError", message
+        assert f"rank(s) {world - 1}" in message or "timed out waiting for rank(s)" in message, message
+        record_figure(f"cpu_stopped_peer_detect_s_timeout_2s_world{world}_rank{rank}", elapsed)
+        assert elapsed < 2.0 + 1.0, f"rank {rank} waited {elapsed:.2f} s with a 2 s timeout"
+    _, kind, message, _ = results[-1]
+    assert kind == "PeerTimeoutError" and f"aborted the communicator: a wait for rank(s) {world - 1}" in message, message
+
+
+def _abort_policy(store, rank, world):
+    os.environ["ROCENANTE_ON_FAULT"] = "abort"
+    comm = _comm(store, rank, world)
+    comm.all_reduce(torch.ones(8))
+    if rank == 1:
+        os._exit(0)
+    comm.all_reduce(torch.ones(8))  # meets the exit: logged, then SIGABRT
+    raise AssertionError("the call returned")
+
+
+def test_abort_policy_ends_the_survivor_with_sigabrt_after_logging(capfd):
+    start = time.monotonic()
+    results = run_ranks(2, _abort_policy, timeout=60)
+    assert results == [("died", -signal.SIGABRT), ("died", 0)], results
+    assert time.monotonic() - start < 30
+    err = capfd.readouterr().err
+    assert "rocenante: rank 0: call 2: rank 1's process ended" in err and "ROCENANTE_ON_FAULT=abort" in err, err
+
+
+def _refused_on_one_rank(store, rank, world):
+    comm = _comm(store, rank, world)
+    x = torch.ones(4, 4)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(x.t() if rank == 1 else x)  # rank 1 alone passes a non-contiguous tensor
+    except (ValueError, rocenante.RocenanteError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    raise AssertionError("the call returned although rank 1 refused it")
+
+
+def test_a_call_one_rank_refuses_fails_on_every_rank_at_once():
+    (kind0, message0, elapsed0), (kind1, message1, _) = expect_ok(run_ranks(2, _refused_on_one_rank))
+    assert kind1 == "InvalidArgument" and "non-contiguous" in message1, message1
+    assert kind0 == "PeerAbortedError" and "rank 1 aborted" in message0 and "rank 1 refused a call" in message0, message0
+    assert elapsed0 < 2.0, f"rank 0 waited {elapsed0:.2f} s (timeout 60 s) for a call rank 1 had refused"
+
+
+def _interrupted(store, rank, world):
+    comm = _comm(store, rank, world)
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(100))  # rank 1 is late: this waits until Ctrl-C
+        except KeyboardInterrupt as err:
+            return type(err).__name__, time.monotonic() - start
+        raise AssertionError("the call returned")
+    time.sleep(2.0)
+    # Rank 0 pushed its input before it was interrupted, so this first call may complete, exactly.
+    x = comm.all_reduce(torch.ones(100))
+    assert torch.equal(x, torch.full((100,), 2.0))
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(100))
+    except rocenante.RocenanteError as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    raise AssertionError("a call after rank 0 was interrupted returned")
+
+
+def test_ctrl_c_interrupts_a_wait_and_the_peer_is_told():
+    (kind0, elapsed0), (kind1, message1, elapsed1) = expect_ok(run_ranks(2, _interrupted))
+    assert kind0 == "Interrupted" and 0.4 < elapsed0 < 1.5, (kind0, elapsed0)  # a KeyboardInterrupt
+    assert kind1 == "PeerAbortedError" and "rank 0 was interrupted by a signal" in message1, message1
+    assert elapsed1 < 1.0, elapsed1
+
+
+def _broken_group(store, rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    x = torch.ones(8)
+    dist.all_reduce(x)
+    if rank == 1:
+        dist.barrier()
+        os._exit(0)  # leaves without a word
+    dist.barrier()
+    time.sleep(0.5)
+    errors = []
+    for collective in (
+        lambda: dist.all_reduce(torch.ones(8)),         # rocenante's own path: meets the fault
+        lambda: dist.all_reduce(torch.ones(8)),         # the same fault again, not ClosedError
+        lambda: dist.broadcast(torch.ones(8), src=0),   # delegated to gloo: raises it too
+        lambda: dist.all_reduce(torch.ones(8), async_op=True).wait(),
+    ):
+        try:
+            collective()
+            errors.append(None)
+        except rocenante.RocenanteError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_broken_backend_group_raises_the_original_fault_for_every_collective():
+    errors = run_ranks(2, _broken_group, timeout=120)[0]
+    assert isinstance(errors, list), errors
+    assert errors[0] is not None and "rank 1's process ended" in errors[0], errors
+    assert all(e == errors[0] for e in errors), errors

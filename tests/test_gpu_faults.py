@@ -1,0 +1,330 @@
+"""Never a silent wrong answer, on 2 GPUs: calls on two streams and two threads, forked streams inside one graph
+capture, a peer killed or stopped during CUDA-graph replays, a call one rank refuses alone, and the backend's Work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from multiproc import expect_ok, record_figure, run_ranks
+from reference import make_input, sequential_fp32
+
+pytestmark = pytest.mark.gpu
+WORLD = 2
+
+
+def _comm(store, rank, world, timeout_s=60.0, **kw):
+    import rocenante
+
+    torch.cuda.set_device(rank)
+    return rocenante.Communicator(store, rank, world, device=f"cuda:{rank}", capacity_bytes=1 << 22,
+                                  timeout_s=timeout_s, **kw)
+
+
+def _want(i, k, n, world, device):
+    """The sum of make_input(i, k, r, n) over ranks, generated on `device` as the inputs are."""
+    return sequential_fp32([make_input(i, k, r, n, torch.float32, device) for r in range(world)], "sum")
+
+
+def _two_streams(store, rank, world, iters, via_backend):
+    """The reported case: two user streams each all-reduce on one communicator, no sync between the calls."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", rank)
+    if via_backend:
+        import rocenante  # noqa: F401
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+
+        def reduce(x):
+            dist.all_reduce(x)
+            return x
+    else:
+        comm = _comm(store, rank, world)
+
+        def reduce(x):
+            return comm.all_reduce(x)
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    cur = torch.cuda.current_stream(dev)
+    for i in range(iters):
+        n = (1024, 1 << 18)[i % 2]  # a small call, and one of many CTAs that runs long enough to overlap
+        a = make_input(i, 0, rank, n, torch.float32, dev)
+        b = make_input(i, 1, rank, n, torch.float32, dev)
+        s1.wait_stream(cur)
+        s2.wait_stream(cur)
+        with torch.cuda.stream(s1):
+            ra = reduce(a)
+        with torch.cuda.stream(s2):
+            rb = reduce(b)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+        if not (torch.equal(ra, _want(i, 0, n, world, dev)) and torch.equal(rb, _want(i, 1, n, world, dev))):
+            raise AssertionError(f"iteration {i}: a wrong sum")
+    torch.cuda.synchronize()
+    if via_backend:
+        dist.destroy_process_group()
+    else:
+        comm.close()
+    return iters
+
+
+@pytest.mark.parametrize("via_backend", [False, True], ids=["communicator", "backend"])
+def test_calls_on_two_streams_execute_in_issue_order(via_backend):
+    assert expect_ok(run_ranks(WORLD, _two_streams, 200, via_backend, timeout=300)) == [200, 200]
+
+
+def _forked_capture(store, rank, world, replays):
+    comm = _comm(store, rank, world)
+    dev = torch.device("cuda", rank)
+    n = 1 << 18
+    xs = [torch.empty(n, device=dev) for _ in range(2)]
+    ys = [torch.empty_like(x) for x in xs]
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for x, y in zip(xs, ys):
+            x.normal_()
+            comm.all_reduce(x, out=y)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cur = torch.cuda.current_stream(dev)
+        for s, x, y in ((s1, xs[0], ys[0]), (s2, xs[1], ys[1])):  # two branches of one graph
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                comm.all_reduce(x, out=y)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+    for i in range(replays):
+        for k, x in enumerate(xs):
+            x.copy_(make_input(i, k, rank, n, torch.float32, dev))
+        graph.replay()
+        for k, y in enumerate(ys):
+            if not torch.equal(y, _want(i, k, n, world, dev)):
+                raise AssertionError(f"replay {i}, branch {k}: a wrong sum")
+    torch.cuda.synchronize()
+    comm.synchronize()
+    comm.close()
+    return replays
+
+
+def test_forked_streams_inside_one_capture_execute_in_issue_order():
+    assert expect_ok(run_ranks(WORLD, _forked_capture, 100, timeout=300)) == [100, 100]
+
+
+def _two_threads(store, rank, world, iters):
+    """Thread A issues, then thread B while A's kernel is in flight, each on its own stream and size, on every
+    rank in that order: both calls pair as issued. A mispairing could only be a CallMismatchError."""
+    comm = _comm(store, rank, world)
+    sizes = {"A": 1 << 18, "B": 3000}
+    issued = threading.Event()
+    errors = []
+
+    def body(name):
+        try:
+            torch.cuda.set_device(rank)  # the current device is per thread
+            dev = torch.device("cuda", rank)
+            stream = torch.cuda.Stream(dev)
+            with torch.cuda.stream(stream):
+                x = make_input(i, ord(name), rank, sizes[name], torch.float32, dev)
+                if name == "B":
+                    issued.wait()
+                try:
+                    y = comm.all_reduce(x)
+                finally:
+                    if name == "A":
+                        issued.set()
+                stream.synchronize()
+                if not torch.equal(y, _want(i, ord(name), sizes[name], world, dev)):
+                    errors.append(f"iteration {i}, thread {name}: a wrong sum")
+        except Exception as err:
+            errors.append(f"iteration {i}, thread {name}: {type(err).__name__}: {err}")
+
+    for i in range(iters):
+        issued.clear()
+        threads = [threading.Thread(target=body, args=(name,)) for name in "AB"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise AssertionError("; ".join(errors))
+    comm.close()
+    return iters
+
+
+def test_calls_from_two_threads_execute_in_issue_order():
+    assert expect_ok(run_ranks(WORLD, _two_threads, 100, timeout=300)) == [100, 100]
+
+
+def _graph_victim(store, rank, world, how, timeout_s):
+    """Both ranks replay a graph of 10 in-place all-reduces of fresh finite data; rank 1 is SIGKILLed, or
+    SIGSTOPped for 4 s, by a timer of its own. Every element of every replay must be exact or NaN, every replay
+    after the first NaN one all NaN, and synchronize() must then raise."""
+    import rocenante
+
+    comm = _comm(store, rank, world, timeout_s=timeout_s)
+    dev = torch.device("cuda", rank)
+    n, calls = 4099, 10
+    xs = [torch.empty(n, device=dev) for _ in range(calls)]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for x in xs:
+            x.fill_(1.0)
+            comm.all_reduce(x, out=x)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x in xs:
+            comm.all_reduce(x, out=x)
+    torch.cuda.synchronize()
+    if rank == 1:
+        if how == "kill":
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        else:
+            subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
+    good, first_nan, last_good_end, detect_s = 0, None, time.monotonic(), None
+    deadline = time.monotonic() + 90
+    i = 0
+    while time.monotonic() < deadline:
+        base = [float(r + 1 + i % 5) for r in range(world)]  # small integers: the sum is exact
+        for x in xs:
+            x.fill_(base[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        out = torch.stack(xs)
+        nan = torch.isnan(out)
+        if not bool(((out == sum(base)) | nan).all()):
+            raise AssertionError(f"replay {i}: an element is neither exact nor NaN")
+        if first_nan is not None and not bool(nan.all()):
+            raise AssertionError(f"replay {i}, after the first NaN replay {first_nan}, is not all NaN")
+        if first_nan is None and bool(nan.any()):
+            first_nan, detect_s = i, time.monotonic() - last_good_end
+        elif first_nan is None:
+            good += 1
+            last_good_end = time.monotonic()
+        if first_nan is not None and i >= first_nan + 20:
+            break
+        i += 1
+    assert first_nan is not None, "no replay was poisoned within 90 s"
+    try:
+        comm.synchronize()
+    except rocenante.RocenanteError as err:
+        return good, type(err).__name__, str(err), detect_s
+    raise AssertionError("synchronize() did not raise after poisoned replays")
+
+
+def test_killed_peer_during_graph_replays_poisons_outputs_within_two_seconds():
+    results = run_ranks(WORLD, _graph_victim, "kill", 60.0, timeout=300)
+    assert results[1] == ("died", -signal.SIGKILL), results[1]
+    good, kind, message, detect_s = expect_ok(results[:1])[0]
+    assert good > 0, "no replay completed before the kill"
+    assert kind == "PeerAbortedError" and "rank 1's process ended" in message, message
+    record_figure("gpu_killed_peer_detect_s", detect_s)
+    assert detect_s < 2.0, f"noticed after {detect_s:.2f} s (timeout 60 s)"
+
+
+def test_stopped_peer_during_graph_replays_poisons_outputs_on_both_ranks():
+    (good0, kind0, message0, detect0), (good1, kind1, message1, detect1) = expect_ok(
+        run_ranks(WORLD, _graph_victim, "stop", 2.0, timeout=300))
+    assert good0 > 0 and good1 > 0
+    assert kind0 == "PeerTimeoutError" and "waiting for rank(s) 1" in message0, message0
+    record_figure("gpu_stopped_peer_detect_s_timeout_2s", detect0)
+    assert detect0 < 2.0 + 1.5, f"rank 0 noticed after {detect0:.2f} s with a 2 s timeout"
+    assert kind1 == "PeerTimeoutError" and "rank 0 aborted the communicator: a wait for rank(s) 1" in message1, message1
+
+
+def _refused_on_one_rank(store, rank, world):
+    import rocenante
+
+    comm = _comm(store, rank, world)
+    x = torch.ones(1000, device="cuda:0")  # rank 1's communicator is on cuda:1
+    start = time.monotonic()
+    try:
+        comm.all_reduce(x if rank == 0 else x.to("cuda:0"))
+        comm.synchronize()
+    except (ValueError, rocenante.RocenanteError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    raise AssertionError("the call completed although rank 1 refused it")
+
+
+def _backend_tensor_on_another_gpu(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    x = torch.ones(1000, device="cuda:0")  # right for rank 0; rank 1's group is on cuda:1
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        dist.all_reduce(torch.ones(8, device=f"cuda:{rank}"))  # the fault surfaces here at the latest
+    except (ValueError, rocenante.RocenanteError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    raise AssertionError("the call completed although rank 1 refused it")
+
+
+@pytest.mark.parametrize("entry", [_refused_on_one_rank, _backend_tensor_on_another_gpu], ids=["communicator", "backend"])
+def test_a_call_one_rank_refuses_fails_on_every_rank_at_once(entry):
+    (kind0, message0, elapsed0), (kind1, message1, _) = expect_ok(run_ranks(WORLD, entry))
+    assert kind1 == "InvalidArgument" and "a tensor on cuda:0" in message1, message1
+    assert kind0 == "PeerAbortedError" and "rank 1 refused a call" in message0, message0
+    assert elapsed0 < 2.0, f"rank 0 waited {elapsed0:.2f} s (timeout 60 s)"
+
+
+def _work_objects(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    dev = torch.device("cuda", rank)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's kernel waits for this rank meanwhile
+    x = torch.full((1 << 16,), float(rank + 1), device=dev)
+    start = time.monotonic()
+    work = dist.all_reduce(x, async_op=True)
+    pending = not work.is_completed()
+    work.wait()  # orders the stream, never blocks the host
+    waited = time.monotonic() - start
+    other = torch.cuda.Stream(dev)
+    future = work.get_future()
+    with torch.cuda.stream(other):
+        doubled = future.wait()[0] * 2  # the future's value is ready in stream order on any stream
+    torch.cuda.synchronize()
+    assert work.is_completed()
+    assert torch.equal(doubled, torch.full_like(x, 2.0 * world * (world + 1) / 2))
+    # A fault after a call does not make that call's Work raise; a call it struck does.
+    before = dist.all_reduce(torch.ones(8, device=dev), async_op=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    struck = dist.all_reduce(torch.ones(8, device=dev), async_op=True)
+    torch.cuda.synchronize()
+    before.wait()
+    try:
+        struck.wait()
+    except rocenante.PeerAbortedError as err:
+        return pending, waited, str(err)
+    raise AssertionError("the Work of a call the fault struck did not raise")
+
+
+def test_work_objects_behave_as_nccl_ones():
+    pending, waited, message = run_ranks(WORLD, _work_objects, timeout=300)[0]
+    assert pending, "is_completed() was True while the kernel waited for rank 1"
+    assert waited < 0.5, f"Work.wait() blocked the host for {waited:.2f} s"
+    assert "rank 1's process ended" in message, message
