@@ -69,7 +69,8 @@ PYBIND11_MODULE(_C, m) {
       .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("check", &Communicator::check)  // reads two words: not worth releasing the GIL
       .def_property_readonly("fault_call", &Communicator::fault_call)
-      .def_property_readonly("calls_issued", &Communicator::calls_issued)
+      .def_property_readonly("captured", &Communicator::captured)
+      .def("stream_done", &Communicator::stream_done, py::arg("stream"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Communicator::closed)
       .def_property_readonly("rank", &Communicator::rank)

@@ -199,12 +199,12 @@ const char* Communicator::validate_local(uintptr_t in, uintptr_t out, size_t cou
   return nullptr;
 }
 
-void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
+uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
   std::unique_lock<std::mutex> lock(issue_);
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (const uint64_t fault = current_fault()) fail(fault, "");
   validate_shared(count, dtype, op);
-  if (count == 0) return;
+  if (count == 0) return 0;
   if (const char* why = validate_local(in, out, count, dtype)) {
     lock.unlock();
     refuse(describe_call(count, dtype, op) + ": " + why);
@@ -226,13 +226,12 @@ void Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType d
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
 
   if (kernel_) {
-    kernel_->launch(a, stream);
-    ++issued_;
-    return;
+    if (kernel_->launch(a, stream)) captured_ = true;
+    return ++issued_;
   }
   const uint32_t epoch = ++issued_;
   const uint64_t fault = host_allreduce(a, epoch, interrupt_check_);
-  if (fault == 0) return;
+  if (fault == 0) return epoch;
   const std::string this_call = describe_call(count, dtype, op);
   if (record(fault, epoch)) tell_peers(fault, epoch);
   fail(fault_.load(), this_call);
@@ -258,6 +257,11 @@ void Communicator::check() {
 }
 
 uint32_t Communicator::fault_call() { return current_fault() != 0 ? fault_epoch_.load() : 0; }
+
+bool Communicator::stream_done(uintptr_t stream) const {
+  if (kernel_ == nullptr) ROCENANTE_THROW(InvalidArgument, "a CPU communicator has no streams");
+  return kernel_->stream_done(stream);
+}
 
 bool Communicator::record(uint64_t fault, uint32_t epoch, const std::string& words) {
   std::lock_guard<std::mutex> lock(recording_);

@@ -37,8 +37,9 @@ class Communicator {
 
   // out[i] = op over ranks of in[i], for `count` elements. CPU: returns when done. GPU: enqueues one kernel on
   // `stream` and returns; a fault that kernel hits is raised by the next call or by check(). Calls from any
-  // thread and stream execute in the order they are issued here.
-  void all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  // thread and stream execute in the order they are issued here. Returns the call's number (its epoch, as long
+  // as no captured graph has replayed calls: see captured()); 0 for an empty call.
+  uint32_t all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
   // A call this rank refuses for a reason its peers cannot see (a bad pointer, device or layout): their side
   // of the call is already under way, so the communicator faults, tells them, and raises InvalidArgument.
   [[noreturn]] void refuse(const std::string& why);
@@ -51,10 +52,12 @@ class Communicator {
 
   // True after close(), and after a fault.
   bool closed() const { return transport_ == nullptr || fault_.load() != 0; }
-  // The call number (epoch) of the recorded fault, 0 if none; and the number of calls issued so far (the
-  // epoch of the last one, when no captured graph has replayed calls on the device).
+  // The call number (epoch) of the recorded fault, 0 if none.
   uint32_t fault_call();
-  uint32_t calls_issued() const { return issued_; }
+  // Whether a call was captured in a CUDA graph: its replays advance the device's call numbers unseen here.
+  bool captured() const { return captured_; }
+  // GPU: true once all work enqueued on `stream` so far has completed (false while it captures).
+  bool stream_done(uintptr_t stream) const;
   int rank() const { return rank_; }
   int world() const { return world_; }
   int device() const { return device_; }
@@ -91,6 +94,7 @@ class Communicator {
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order
   std::atomic<uint32_t> issued_{0};        // calls issued; the CPU path's epoch is issued_ + 1
+  std::atomic<bool> captured_{false};
   std::mutex recording_;                   // guards the fault record's writes and message_
   std::atomic<uint64_t> fault_{0};         // the first fault this rank knows of (0: none); written last
   std::atomic<uint32_t> fault_epoch_{0};

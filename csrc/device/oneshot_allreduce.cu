@@ -271,7 +271,7 @@ class CudaOneshotKernel final : public OneshotKernel {
     cudaSetDevice(previous);
   }
 
-  void launch(const AllReduceArgs& args, uintptr_t stream_handle) override {
+  bool launch(const AllReduceArgs& args, uintptr_t stream_handle) override {
     DeviceGuard guard(device_);
     const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     order_after_previous_call(stream);
@@ -290,6 +290,21 @@ class CudaOneshotKernel final : public OneshotKernel {
       ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op>, a, state_));
     });
     previous_stream_ = stream;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    ROCENANTE_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  bool stream_done(uintptr_t stream_handle) const override {
+    DeviceGuard guard(device_);
+    const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    ROCENANTE_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) return false;  // querying it would invalidate the capture
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaErrorNotReady) return false;
+    ROCENANTE_CHECK_CUDA(status);
+    return true;
   }
 
   FaultRecord fault() const override {

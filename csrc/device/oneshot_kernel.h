@@ -13,8 +13,11 @@ class OneshotKernel {
  public:
   virtual ~OneshotKernel() = default;
   // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer), ordered after the
-  // previous call whatever its stream (the caller serialises calls to launch()).
-  virtual void launch(const AllReduceArgs& args, uintptr_t stream) = 0;
+  // previous call whatever its stream (the caller serialises calls to launch()). True if `stream` is capturing
+  // a graph (the call then runs at each replay).
+  virtual bool launch(const AllReduceArgs& args, uintptr_t stream) = 0;
+  // True once everything enqueued on `stream` so far has completed; false while it captures a graph.
+  virtual bool stream_done(uintptr_t stream) const = 0;
   // The first fault a kernel recorded (word 0 if none). Any thread may call it.
   virtual FaultRecord fault() const = 0;
 };

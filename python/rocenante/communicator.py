@@ -168,9 +168,10 @@ class Communicator:
         """The raw handle of the stream calls are enqueued on: the current CUDA stream (0 on the CPU)."""
         return 0 if self._cuda_index is None else _current_raw_stream(self._cuda_index)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int) -> None:
-        """The call into the core, for arguments already checked (by all_reduce, or by the backend's dispatch)."""
-        self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int) -> int:
+        """The call into the core, for arguments already checked (by all_reduce, or by the backend's dispatch).
+        Returns the call's number."""
+        return self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
 
     def _all_reduce_cuda_array(self, x, op, out):
         """CuPy (or any __cuda_array_interface__) arrays: viewed as tensors, run on CuPy's current stream."""
