@@ -90,10 +90,12 @@ struct Chunk<DType::kFloat16> : Chunk16<DType::kFloat16> {};
 template <>
 struct Chunk<DType::kBFloat16> : Chunk16<DType::kBFloat16> {};
 
+// max and min follow torch.maximum / torch.minimum: a NaN on any rank wins (a != a only for NaN; integers never),
+// so the result does not depend on which rank holds it.
 template <ReduceOp Op, typename T>
 ROCENANTE_HD T combine(T a, T b) {
-  if constexpr (Op == ReduceOp::kMax) return a > b ? a : b;
-  if constexpr (Op == ReduceOp::kMin) return a < b ? a : b;
+  if constexpr (Op == ReduceOp::kMax) return a > b || a != a ? a : b;
+  if constexpr (Op == ReduceOp::kMin) return a < b || a != a ? a : b;
   if constexpr (std::is_integral_v<T>) return T(uint32_t(a) + uint32_t(b));  // wraps, like NCCL's int32 sum
   return a + b;                                                              // kSum and kAvg
 }

@@ -99,7 +99,7 @@ std::string abort_reason(uint32_t cause) {
     }
     case Fault::kCallMismatch: return "rank " + peer + " made a different call";
     case Fault::kPeerExited: return "rank " + peer + "'s process ended";
-    case Fault::kRefused: return "rank " + peer + " refused a call over an argument only it could see";
+    case Fault::kRefused: return "rank " + peer + " refused a call for a reason only it could see";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
     case Fault::kNone: break;

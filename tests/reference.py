@@ -37,9 +37,9 @@ def sequential_fp32(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
         if op in ("sum", "avg"):
             acc = acc + x
         elif op == "max":
-            acc = torch.where(acc > x, acc, x)
+            acc = torch.maximum(acc, x)  # a NaN wins, as in rocenante
         else:
-            acc = torch.where(acc < x, acc, x)
+            acc = torch.minimum(acc, x)
     if dtype == torch.int32:
         return ((acc + 2**31) % 2**32 - 2**31).to(torch.int32)
     if op == "avg":

@@ -176,6 +176,28 @@ def test_self_test_failure_on_one_rank_makes_every_rank_fall_back():
         assert "rank 1: ValueError: ROCENANTE_TIMEOUT_S='soon' is not a number" in reason, reason
 
 
+def _wrong_self_test_result(store, rank, world):
+    import torch.distributed as dist
+
+    import rocenante
+
+    if rank == 1:  # this rank's self-test all-reduce returns a wrong sum (a broken path, not a configuration)
+        original = rocenante.Communicator.all_reduce
+        rocenante.Communicator.all_reduce = lambda self, x, **kw: original(self, x, **kw) + 1
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    st = rocenante.status()["cpu"]
+    x = torch.full((100,), float(rank + 1))
+    dist.all_reduce(x)  # through gloo now, on every rank
+    assert torch.equal(x, torch.full((100,), float(world * (world + 1) // 2)))
+    dist.destroy_process_group()
+    return st["active"], st["reason"]
+
+
+def test_a_wrong_self_test_result_on_one_rank_makes_every_rank_fall_back():
+    for active, reason in expect_ok(run_ranks(3, _wrong_self_test_result, timeout=300)):
+        assert not active and "rank 1: RuntimeError: cpu self-test all-reduce of torch.float32 gave a wrong result" in reason, reason
+
+
 def test_disable_forces_fallback():
     results = expect_ok(run_ranks(2, _fallback, {0: {"ROCENANTE_DISABLE": "1"}, 1: {"ROCENANTE_DISABLE": "1"}}, False))
     assert all(state == "fell back" and "ROCENANTE_DISABLE=1" in reason for state, reason in results)

@@ -53,6 +53,26 @@ def test_every_dtype_op_and_size_matches_reference_on_every_rank(world):
     assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
 
 
+def _nan_max_min(store, rank, world, seed):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+    numel, digests = 1000, []
+    holder = torch.arange(numel) % (world + 1)  # element i is NaN on rank holder[i] (on none where it is world)
+    for case, (dtype, op) in enumerate((d, o) for d in (torch.float32, torch.float16, torch.bfloat16) for o in ("max", "min")):
+        inputs = [make_input(seed, case, r, numel, dtype).masked_fill(holder == r, float("nan")) for r in range(world)]
+        got = comm.all_reduce(inputs[rank], op=op)
+        nan = torch.isnan(got)
+        assert torch.equal(nan, holder < world), f"{dtype} {op}: a NaN on some rank must win, wherever it is"
+        assert torch.equal(got[~nan], sequential_fp32(inputs, op)[~nan]), f"{dtype} {op}"
+        digests.append(digest(got))
+    comm.close()
+    return digests
+
+
+def test_max_and_min_with_nan_follow_torch_maximum_whichever_rank_holds_it():
+    results = expect_ok(run_ranks(3, _nan_max_min, 77))
+    assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
+
+
 def _back_to_back(store, rank, world, calls):
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
     rng = random.Random(7)  # same sizes on every rank

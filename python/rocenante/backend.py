@@ -141,6 +141,11 @@ class RocenanteProcessGroup(dist.ProcessGroup):
                 local = {"ok": True}
             except Exception as err:  # any failure means fallback, for every rank
                 local = {"ok": False, "why": f"{type(err).__name__}: {err}"}
+                if comm is not None and not comm.closed:
+                    try:  # the peers may be inside a self-test call this rank will not make: tell them
+                        comm._refuse(f"the startup self-test ({local['why']})")
+                    except ValueError:
+                        pass
             results = _agree(store, f"{key}/result", rank, size, local, timeout)
             failed = [f"rank {r}: {x['why']}" for r, x in enumerate(results) if not x["ok"]]
             if failed:
