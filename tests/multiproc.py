@@ -66,6 +66,14 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     return results
 
 
+def all_arrived(store, world: int, name: str) -> None:
+    """Returns once every rank has called it with this name: a test with a short timeout then does not count
+    the time spawned ranks take to import torch."""
+    store.add(f"arrived/{name}", 1)
+    while store.add(f"arrived/{name}", 0) < world:
+        time.sleep(0.01)
+
+
 def record_figure(name: str, value: float) -> None:
     """Appends a measured figure (a detection time, a count) to $ROCENANTE_TEST_FIGURES, when it is set, as one
     JSON line: benchmarks/gpu_machine.sh keeps them beside the test log."""
