@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rocenante
-from multiproc import expect_ok, record_figure, run_ranks
+from multiproc import all_arrived, expect_ok, record_figure, run_ranks
 from reference import make_input, sequential_fp32
 
 CAPACITY = 64 << 10
@@ -66,6 +66,7 @@ def test_calls_from_two_threads_execute_in_issue_order():
 def _victim_loop(store, rank, world, how, timeout_s):
     """Every rank loops on in-place all-reduces of finite data; the last rank is SIGKILLed, or SIGSTOPped for
     4 s, at a moment its own timer picks (mostly inside a call). Returns each call's outcome."""
+    all_arrived(store, world, "victim")
     comm = _comm(store, rank, world, timeout_s=timeout_s)
     victim = world - 1
     if rank == victim:
