@@ -15,30 +15,27 @@ class CudaIpcTransport final : public Transport {
   CudaIpcTransport(int rank, int device, const RegionLayout& layout)
       : rank_(rank), device_(device), regions_(layout.world, nullptr) {
     DeviceGuard guard(device_);
-    void* p = nullptr;
-    ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
-    regions_[rank_] = static_cast<Line*>(p);
-    // Zero lines mean "not arrived"; the memset completes before any peer learns our handle.
-    ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
-    ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
-    ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
-    ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
-    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
+    try {
+      void* p = nullptr;
+      ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
+      regions_[rank_] = static_cast<Line*>(p);
+      // Zero lines mean "not arrived"; the memset completes before any peer learns our handle.
+      ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
+      ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
+      ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
+      ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
+      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
+    } catch (...) {
+      release();  // a failed constructor runs no destructor: nothing it got may stay allocated
+      throw;
+    }
   }
 
   ~CudaIpcTransport() override {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    if (abort_stream_ != nullptr) cudaStreamDestroy(abort_stream_);
-    if (abort_staging_ != nullptr) cudaFreeHost(abort_staging_);
-    for (int p = 0; p < int(regions_.size()); ++p) {
-      if (regions_[p] == nullptr) continue;
-      if (p == rank_)
-        cudaFree(regions_[p]);
-      else
-        cudaIpcCloseMemHandle(regions_[p]);
-    }
+    release();
     cudaSetDevice(previous);
   }
 
@@ -82,6 +79,18 @@ class CudaIpcTransport final : public Transport {
   }
 
  private:
+  void release() noexcept {
+    if (abort_stream_ != nullptr) cudaStreamDestroy(abort_stream_);
+    if (abort_staging_ != nullptr) cudaFreeHost(abort_staging_);
+    for (int p = 0; p < int(regions_.size()); ++p) {
+      if (regions_[p] == nullptr) continue;
+      if (p == rank_)
+        cudaFree(regions_[p]);
+      else
+        cudaIpcCloseMemHandle(regions_[p]);
+    }
+  }
+
   int rank_;
   int device_;
   cudaIpcMemHandle_t handle_{};
