@@ -1,5 +1,6 @@
 // CUDA IPC transport: each rank's receive region is one cudaMalloc allocation that every peer on the host
 // maps with cudaIpcOpenMemHandle, so the kernel's stores to a peer travel over NVLink/NVSwitch (or PCIe P2P).
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include <cstring>
@@ -10,16 +11,30 @@
 namespace rocenante {
 namespace {
 
+// Bytes from `p` to the end of the allocation that holds it, from the driver's cuMemGetAddressRange (reached
+// through the runtime, so that nothing links libcuda).
+size_t bytes_from(void* p) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  ROCENANTE_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess) ROCENANTE_THROW(Error, "the CUDA driver has no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  const CUresult err = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn)(&base, &bytes, CUdeviceptr(p));
+  if (err != CUDA_SUCCESS) ROCENANTE_THROW(Error, "cuMemGetAddressRange failed: CUresult " + std::to_string(int(err)));
+  return base + bytes - CUdeviceptr(p);
+}
+
 class CudaIpcTransport final : public Transport {
  public:
   CudaIpcTransport(int rank, int device, const RegionLayout& layout)
-      : rank_(rank), device_(device), regions_(layout.world, nullptr) {
+      : rank_(rank), device_(device), bytes_(layout.region_bytes()), regions_(layout.world, nullptr) {
     DeviceGuard guard(device_);
     void* p = nullptr;
-    ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&p, bytes_));
     regions_[rank_] = static_cast<Line*>(p);
     // Zero lines mean "not arrived"; the memset completes before any peer learns our handle.
-    ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
+    ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, bytes_));
     ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
     ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
     ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
@@ -51,7 +66,9 @@ class CudaIpcTransport final : public Transport {
     for (int p = 0; p < int(handles.size()); ++p) {
       if (p == rank_) continue;
       if (handles[p].size() != sizeof(cudaIpcMemHandle_t))
-        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent no CUDA IPC handle (is it on a GPU?)");
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " published a CUDA IPC handle of " +
+                                   std::to_string(handles[p].size()) + " bytes, not " +
+                                   std::to_string(sizeof(cudaIpcMemHandle_t)));
       cudaIpcMemHandle_t h;
       std::memcpy(&h, handles[p].data(), sizeof(h));
       void* mapped = nullptr;
@@ -60,7 +77,11 @@ class CudaIpcTransport final : public Transport {
         ROCENANTE_THROW(Error, "cannot map rank " + std::to_string(p) + "'s GPU memory into device " +
                                    std::to_string(device_) + " over CUDA IPC: " + cudaGetErrorString(err) +
                                    " (peers must share a host and have peer access)");
-      regions_[p] = static_cast<Line*>(mapped);
+      regions_[p] = static_cast<Line*>(mapped);  // from here on the destructor unmaps it
+      const size_t mapped_bytes = bytes_from(mapped);
+      if (mapped_bytes < bytes_)  // the kernel would write past its end
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + "'s CUDA IPC handle maps " + std::to_string(mapped_bytes) +
+                                   " bytes, less than a region's " + std::to_string(bytes_));
     }
   }
 
@@ -84,6 +105,7 @@ class CudaIpcTransport final : public Transport {
  private:
   int rank_;
   int device_;
+  size_t bytes_;
   cudaIpcMemHandle_t handle_{};
   std::vector<Line*> regions_;
   cudaStream_t abort_stream_ = nullptr;
