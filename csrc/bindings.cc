@@ -57,6 +57,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("max_ranks") = rocenante::kMaxRanks;
   m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
+  m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init<int, int, int, size_t, double, rocenante::OnFault>(), py::arg("rank"), py::arg("world"),

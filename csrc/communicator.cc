@@ -4,6 +4,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -52,6 +54,19 @@ Config config_of(int world, size_t capacity_bytes, int device) {
   return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, 0};
 }
 
+// A protocol magic as its four characters ("ROC2"), or in hex when they are not all printable.
+std::string protocol_name(uint32_t magic) {
+  std::string name;
+  for (int shift = 24; shift >= 0; shift -= 8) name += char(magic >> shift);
+  for (const char c : name)
+    if (c < '!' || c > '~') {
+      char hex[16];
+      std::snprintf(hex, sizeof(hex), "0x%08x", magic);
+      return hex;
+    }
+  return name;
+}
+
 // Which process a rank is, so that its peers' watchdogs can see it end: the pid and the process's start time
 // (clock ticks since boot, /proc/PID/stat field 22), which tells a reused pid or another pid namespace apart.
 struct Identity {
@@ -86,6 +101,38 @@ int open_pidfd(const Identity& peer) {
   return fd;
 }
 
+// Largest pid a Linux kernel hands out (PID_MAX_LIMIT on 64-bit).
+constexpr int64_t kMaxPid = int64_t(1) << 22;
+
+// Rank p's handle, as read from the store: anything may have written it, so every field is checked before
+// it is used. Fills `peer` and returns the transport's part (which the transport checks in turn).
+std::string parse_handle(int p, const std::string& handle, const Config& mine, Identity& peer) {
+  const std::string rank = "rank " + std::to_string(p);
+  uint32_t magic = 0;
+  if (handle.size() >= sizeof(magic)) std::memcpy(&magic, handle.data(), sizeof(magic));
+  if (magic >> 8 != kConfigMagic >> 8)  // not even "ROC"
+    ROCENANTE_THROW(Error, rank + " published a value of " + std::to_string(handle.size()) +
+                               " bytes that is not a rocenante handle");
+  if (magic != kConfigMagic)
+    ROCENANTE_THROW(Error, rank + " runs another rocenante version (protocol " + protocol_name(magic) + ", this rank " +
+                               protocol_name(kConfigMagic) + ")");
+  if (handle.size() < sizeof(Config) + sizeof(Identity))
+    ROCENANTE_THROW(Error, rank + " published a truncated handle of " + std::to_string(handle.size()) + " bytes");
+  Config theirs{};
+  std::memcpy(&theirs, handle.data(), sizeof(theirs));
+  if (theirs.zero != 0 || (theirs.on_gpu != 0 && theirs.on_gpu != 1))
+    ROCENANTE_THROW(Error, rank + " published a malformed configuration");
+  if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0)
+    ROCENANTE_THROW(Error, rank + " is configured differently: world " + std::to_string(theirs.world) + ", capacity " +
+                               std::to_string(theirs.capacity_bytes) + " bytes, " + (theirs.on_gpu ? "GPU" : "CPU") +
+                               "; this rank: world " + std::to_string(mine.world) + ", capacity " +
+                               std::to_string(mine.capacity_bytes) + " bytes, " + (mine.on_gpu ? "GPU" : "CPU"));
+  std::memcpy(&peer, handle.data() + sizeof(Config), sizeof(Identity));
+  if (peer.pid <= 0 || peer.pid > kMaxPid)
+    ROCENANTE_THROW(Error, rank + " published an impossible process id " + std::to_string(peer.pid));
+  return handle.substr(sizeof(Config) + sizeof(Identity));
+}
+
 // The root cause a peer's abort word carries (abort_cause()).
 std::string abort_reason(uint32_t cause) {
   const uint32_t detail = cause & 0xFFFFFFu;
@@ -112,7 +159,7 @@ std::string abort_reason(uint32_t cause) {
 InterruptCheck Communicator::interrupt_check_ = nullptr;
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault)
-    : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s), on_fault_(on_fault),
+    : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, pidfds_(world, -1) {
   if (world < 1 || world > kMaxRanks)
     ROCENANTE_THROW(InvalidArgument, "world size " + std::to_string(world) + " is outside 1.." + std::to_string(kMaxRanks));
@@ -121,6 +168,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (capacity_bytes == 0 || capacity_bytes % kCapacityGranule != 0 || capacity_bytes > kMaxCapacityBytes)
     ROCENANTE_THROW(InvalidArgument, "capacity " + std::to_string(capacity_bytes) + " bytes must be a positive multiple of " +
                                          std::to_string(kCapacityGranule) + " up to " + std::to_string(kMaxCapacityBytes));
+  if (std::isnan(timeout_s)) ROCENANTE_THROW(InvalidArgument, "timeout is NaN");
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
@@ -150,20 +198,12 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   std::vector<std::string> transport_handles(world_);
   std::vector<Identity> peers(world_);
   for (int p = 0; p < world_; ++p) {
-    Config theirs{};
-    if (handles[p].size() < sizeof(Config) + sizeof(Identity))
-      ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent a truncated handle");
-    std::memcpy(&theirs, handles[p].data(), sizeof(Config));
-    if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0) {
-      ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " is configured differently: world " + std::to_string(theirs.world) +
-                                 ", capacity " + std::to_string(theirs.capacity_bytes) + " bytes, " +
-                                 (theirs.on_gpu ? "GPU" : "CPU") +
-                                 (theirs.magic != kConfigMagic ? ", other rocenante version" : "") + "; this rank: world " +
-                                 std::to_string(world_) + ", capacity " + std::to_string(layout_.capacity_bytes) +
-                                 " bytes, " + (device_ >= 0 ? "GPU" : "CPU"));
-    }
-    std::memcpy(&peers[p], handles[p].data() + sizeof(Config), sizeof(Identity));
-    transport_handles[p] = handles[p].substr(sizeof(Config) + sizeof(Identity));
+    if (p == rank_ && handles[p] != local_handle())
+      ROCENANTE_THROW(Error, "rank " + std::to_string(p) + ": the store holds another handle under this rank's key");
+    transport_handles[p] = parse_handle(p, handles[p], mine, peers[p]);
+    for (int q = 0; q < p; ++q)
+      if (transport_handles[q] == transport_handles[p])
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " published the same region as rank " + std::to_string(q));
   }
   transport_->connect(transport_handles);
   for (int p = 0; p < world_; ++p)

@@ -23,7 +23,12 @@ enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 
 class Communicator {
  public:
+  // Longest wait for a peer, in seconds (about 31.7 years); longer timeouts, infinity included, are clamped to
+  // it: in nanoseconds, added to any clock the waits read (%globaltimer counts from 1970), it cannot overflow.
+  static constexpr double kMaxTimeoutS = 1e9;
+
   // device < 0: CPU memory (shared-memory transport); otherwise the CUDA device ordinal.
+  // timeout_s > 0, clamped to kMaxTimeoutS.
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault);
   ~Communicator();
   Communicator(const Communicator&) = delete;

@@ -48,7 +48,9 @@ class CudaIpcTransport final : public Transport {
     for (int p = 0; p < int(handles.size()); ++p) {
       if (p == rank_) continue;
       if (handles[p].size() != sizeof(cudaIpcMemHandle_t))
-        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " sent no CUDA IPC handle (is it on a GPU?)");
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " published a CUDA IPC handle of " +
+                                   std::to_string(handles[p].size()) + " bytes, not " +
+                                   std::to_string(sizeof(cudaIpcMemHandle_t)));
       cudaIpcMemHandle_t h;
       std::memcpy(&h, handles[p].data(), sizeof(h));
       void* mapped = nullptr;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <climits>
 #include <random>
 
 #include "../errors.h"
@@ -45,6 +46,11 @@ class ShmTransport final : public Transport {
   void connect(const std::vector<std::string>& handles) override {
     for (int p = 0; p < int(handles.size()); ++p) {
       if (p == rank_) continue;
+      // The name comes from the store: open only a name of ours, never a path or whatever a NUL would cut it to.
+      if (handles[p].size() > NAME_MAX || handles[p].rfind("/rocenante-", 0) != 0 ||
+          handles[p].find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_", 1) != std::string::npos)
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + " published a shared-memory name (" +
+                                   std::to_string(handles[p].size()) + " bytes) that is not one of rocenante's");
       const int fd = shm_open(handles[p].c_str(), O_RDWR, 0);
       if (fd == -1)
         ROCENANTE_THROW(Error, "cannot open rank " + std::to_string(p) + "'s shared memory " + handles[p] +

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from rocenante import _C
+
 # How long one wait on a peer may last before the call fails naming the peer (seconds). Generous by default:
 # a peer may legitimately be late by a long compilation or a checkpoint load.
 DEFAULT_TIMEOUT_S = 300.0
@@ -13,7 +15,15 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_CAPACITY_BYTES = 4 << 20
 
 
-def _positive(name: str, parse, default):
+def _positive(what: str, value):
+    if value != value:
+        raise ValueError(f"{what} is not a number")
+    if not value > 0:
+        raise ValueError(f"{what} must be positive")
+    return value
+
+
+def _from_env(name: str, parse, default):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -21,19 +31,22 @@ def _positive(name: str, parse, default):
         value = parse(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
+    return _positive(f"{name}={raw!r}", value)
 
 
-def timeout_s() -> float:
-    """ROCENANTE_TIMEOUT_S: bound on every wait for a peer, in seconds."""
-    return _positive("ROCENANTE_TIMEOUT_S", float, DEFAULT_TIMEOUT_S)
+def timeout_s(given=None) -> float:
+    """The bound on every wait for a peer, in seconds: `given` (timeout_s=), else ROCENANTE_TIMEOUT_S. Longer
+    values, inf included, are clamped to _C.max_timeout_s (1e9 s, about 31.7 years), the most the core counts."""
+    if given is None:
+        value = _from_env("ROCENANTE_TIMEOUT_S", float, DEFAULT_TIMEOUT_S)
+    else:
+        value = _positive(f"timeout_s={given!r}", float(given))
+    return min(value, _C.max_timeout_s)
 
 
 def capacity_bytes() -> int:
     """ROCENANTE_CAPACITY_BYTES: largest all-reduce a communicator serves, in bytes."""
-    return _positive("ROCENANTE_CAPACITY_BYTES", int, DEFAULT_CAPACITY_BYTES)
+    return _from_env("ROCENANTE_CAPACITY_BYTES", int, DEFAULT_CAPACITY_BYTES)
 
 
 def on_fault() -> str:

@@ -45,6 +45,20 @@ def _lookup_op(op) -> "_C.ReduceOp":
         raise ValueError(f"unsupported op {op!r}; rocenante supports sum, avg, max and min") from None
 
 
+# A peer's failure message is shown whatever its bytes, cut at this many characters.
+_MAX_FAILURE_CHARS = 2000
+
+
+def _failure_message(raw: bytes) -> str:
+    """failed/{rank} as read from the store, which anything may have written: decoded whatever its bytes, with
+    control characters escaped, and cut short."""
+    text = raw[:_MAX_FAILURE_CHARS].decode("utf-8", "backslashreplace")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    if len(text) > _MAX_FAILURE_CHARS or len(raw) > _MAX_FAILURE_CHARS:
+        text = f"{text[:_MAX_FAILURE_CHARS]}... (cut; {len(raw)} bytes)"
+    return text
+
+
 def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeout_s: float, what: str) -> None:
     """Waits until every rank has set its key. Raises at once if a rank reported that its setup failed, and
     after timeout_s naming the ranks that did not arrive."""
@@ -54,7 +68,7 @@ def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeou
     while not store.check(keys):
         for rank, key in enumerate(failures):
             if store.check([key]):
-                raise _C.RocenanteError(f"rank {rank} failed to set up the communicator: {store.get(key).decode()}")
+                raise _C.RocenanteError(f"rank {rank} failed to set up the communicator: {_failure_message(store.get(key))}")
         if time.monotonic() > deadline:
             missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
             raise _C.PeerTimeoutError(f"timed out after {timeout_s} s waiting for rank(s) {missing} to {what}")
@@ -109,11 +123,17 @@ class Communicator:
         self.capacity_bytes = _env.capacity_bytes() if capacity_bytes is None else int(capacity_bytes)
         granule = _C.capacity_granule_bytes  # the core lays data out in groups of 32 chunks of 16 bytes
         self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
-        self.timeout_s = _env.timeout_s() if timeout_s is None else float(timeout_s)
+        self.timeout_s = _env.timeout_s(timeout_s)
         # Every rank draws one ticket per communicator of this name and world size; all tickets of one are drawn
         # before any of the next (each rank must finish this rendezvous first), so they share one generation.
         base = f"rocenante/{name}/{world_size}"
-        ticket = store.add(f"{base}/tickets", 1)
+        try:
+            ticket = store.add(f"{base}/tickets", 1)
+        except ValueError:  # the store could not count on the value there
+            raise _C.RocenanteError(f"the store's key {base}/tickets holds something other than a count") from None
+        if ticket < 1:
+            raise _C.RocenanteError(f"the store's key {base}/tickets gave ticket {ticket}: something other than "
+                                    "rocenante wrote it")
         prefix = f"{base}/{(ticket - 1) // world_size}"
         self._c = None
         try:
