@@ -153,7 +153,7 @@ def _open_close(store, rank, world, cycles):
     for i in range(cycles):
         with rocenante.Communicator(store, rank, world, capacity_bytes=4096, timeout_s=30) as comm:
             assert torch.equal(comm.all_reduce(torch.full((3,), float(i))), torch.full((3,), float(i * world)))
-    return sorted(glob.glob(f"/dev/shm/rocenante-{os.getpid()}-*"))  # this rank's segments (names carry the pid)
+    return sorted(glob.glob(f"/dev/shm/rocenante-*-{os.getpid()}-*"))  # this rank's segments (names carry the pid)
 
 
 def test_open_close_cycles_leave_no_shared_memory():

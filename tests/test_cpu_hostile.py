@@ -73,7 +73,7 @@ def test_another_version_is_named_as_such(pair):
         (lambda h: h + b"\x00junk", "shared-memory name"),
         (lambda h: h + b"\xff", "shared-memory name"),
         (lambda h: h + b"x" * 300, "shared-memory name"),
-        (lambda h: h[:HEADER] + b"/rocenante-gone-r1", "cannot open"),
+        (lambda h: h[:HEADER] + b"/rocenante-gone-r1", "cannot be opened"),
     ],
 )
 def test_malformed_peer_handle_is_refused_naming_the_rank(pair, tamper, words):
