@@ -25,6 +25,17 @@ KIB = 1024
 HAND = allreduce.Profile("hand", 1e-6, 1e9, 2e-6, "test")
 
 
+def test_calibration_written_from_measured_times_loads_back(tmp_path):
+    # One-shot at 3 ranks with the hand profile: t = 3 us + 2 * size / 1 GB/s.
+    points = [(s, allreduce.one_shot(HAND, 3, s)) for s in (1024, 65536, 1 << 20)]
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(allreduce.calibrate("measured", 3, points, "test")))
+    p = allreduce.load_calibration(str(path))
+    assert p.alpha_s == 0 and p.overhead_s == pytest.approx(3e-6) and p.bandwidth_Bps == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="do not grow"):
+        allreduce.calibrate("shrinking", 3, [(1024, 6e-6), (2048, 5e-6)], "test")
+
+
 def test_published_figures_are_the_issue_s():
     assert published.DECODE_ROWS == [
         (2, "direct cable", "nccl", 11.86, 2635),

@@ -4,6 +4,7 @@ prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib is the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -29,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=25, help="measurements per arm and size")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json)")
     p.add_argument("--no-png", action="store_true")
+    p.add_argument("--calibration", default=None,
+                   help="also write a scaling-model calibration file (python -m rocenante.model --calibration) "
+                        "fitted to rocenante's one-shot times (graph mode if measured, first dtype)")
     a = p.parse_args(argv)
     gpu = a.device == "cuda"
     a.ranks = a.ranks or (torch.cuda.device_count() if gpu else 2)
@@ -43,6 +47,22 @@ def parse_args(argv=None):
     if a.ranks < 2:
         p.error("an all-reduce benchmark needs at least 2 ranks")
     return a
+
+
+def _write_calibration(result: dict, path: str) -> None:
+    from rocenante.model import allreduce
+
+    rows = [r for r in result["rows"] if r["arm"] == "rocenante"]
+    mode = "graph" if any(r["mode"] == "graph" for r in rows) else rows[0]["mode"]
+    rows = [r for r in rows if r["mode"] == mode and r["dtype"] == rows[0]["dtype"]]
+    prov = result["provenance"]
+    source = (f"python -m rocenante.bench, {result['world_size']} ranks, {prov.get('gpu') or prov.get('cpu')}, "
+              f"{mode} mode, {rows[0]['dtype']}, revision {prov['git_revision']}, {prov['date_utc']}")
+    name = f"measured-{result['config']['device']}-{result['world_size']}r"
+    calibration = allreduce.calibrate(name, result["world_size"], [(r["bytes"], r["median_us"] * 1e-6) for r in rows], source)
+    with open(path, "w") as f:
+        json.dump(calibration, f, indent=1)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
@@ -109,6 +129,8 @@ def main(argv=None) -> int:
     path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{a.ranks}r.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     report.write_json(result, path)
+    if a.calibration:
+        _write_calibration(result, a.calibration)
     print(f"wrote {path}")
     if not a.no_png:
         try:

@@ -90,8 +90,19 @@ def _nccl_dgx_spark() -> Profile:
 PROFILES = {p.name: p for p in (_one_shot_dgx_spark(), _nccl_dgx_spark())}
 
 
+def calibrate(name: str, world: int, points, source: str) -> dict:
+    """A calibration file's contents from measured one-shot times [(bytes, seconds)] at `world` ranks (what
+    `python -m rocenante.bench --calibration PATH` writes). Alpha and overhead are not separable from one-shot
+    times alone: all of the constant goes into overhead, as for the NCCL profile."""
+    c, k = _fit_line(points)
+    if not (k > 0 and c >= 0):
+        raise ValueError(f"one-shot times {points} do not grow with size from a non-negative constant")
+    return {"schema": CALIBRATION_SCHEMA, "name": name, "alpha_us": 0.0, "bandwidth_GBps": (world - 1) / k / 1e9,
+            "overhead_us": c * 1e6, "source": source}
+
+
 def load_calibration(path: str) -> Profile:
-    """A calibration file, as the benchmark will write it on real hardware:
+    """A calibration file, as the benchmark writes it on real hardware (calibrate()):
     {"schema": "rocenante.model.calibration/1", "name": str, "alpha_us": float, "bandwidth_GBps": float,
      "overhead_us": float, "source": str (hardware, revision, date)}. All numbers finite and >= 0, bandwidth > 0."""
     with open(path) as f:
