@@ -16,8 +16,8 @@ build() {  # build SOURCE_DIR TARGET_DIR
 }
 relaxed_src=$(mktemp -d)
 cp -r CMakeLists.txt pyproject.toml README.md LICENSE csrc python "$relaxed_src"
-sed -i -E 's/\.(acquire|release)\.(gpu|sys)/.relaxed.\2/g' "$relaxed_src/csrc/device/lines.cuh"
-grep -q -E '\.(acquire|release)\.' "$relaxed_src/csrc/device/lines.cuh" && { echo "sed left an ordered access" >&2; exit 1; }
+sed -i -E 's/\.(acquire|release)\.(gpu|sys)/.relaxed.\2/g' "$relaxed_src/csrc/device/wire.cuh"
+grep -q -E '\.(acquire|release)\.' "$relaxed_src/csrc/device/wire.cuh" && { echo "sed left an ordered access" >&2; exit 1; }
 variants="ordered relaxed"
 build . /tmp/ab-ordered
 build "$relaxed_src" /tmp/ab-relaxed

@@ -18,8 +18,8 @@ struct AllReduceArgs {
   int rank;
   int world;
   RegionLayout layout;
-  Line* local;              // this rank's receive region
-  Line* peer[kMaxRanks];    // where this rank writes to reach each peer's region (peer[rank] unused)
+  uint32_t* local;            // this rank's receive region
+  uint32_t* peer[kMaxRanks];  // where this rank writes to reach each peer's region (peer[rank] unused)
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
 };
 
@@ -39,8 +39,9 @@ ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, Load load) {
 using InterruptCheck = bool (*)();
 
 // The CPU path: runs the whole protocol on the calling thread. `epoch` is this call's number (same on every
-// rank). Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
-// compute is then poisoned (poison_word).
-uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, InterruptCheck interrupted);
+// rank); `reset_span` is span_bytes() of the previous call, whose buffer this call resets (layout.h).
+// Returns 0, or an encode_fault() word saying why the call failed; every output element it did not compute is
+// then poisoned (poison_word).
+uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, size_t reset_span, InterruptCheck interrupted);
 
 }  // namespace rocenante

@@ -47,7 +47,7 @@ struct Config {
   int32_t on_gpu;
   uint32_t zero;  // explicit padding, always 0, so that memcmp compares only bytes we set
 };
-constexpr uint32_t kConfigMagic = 0x524f4332;  // "ROC2": bump when the protocol changes
+constexpr uint32_t kConfigMagic = 0x524f4333;  // "ROC3": bump when the protocol changes
 static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
 
 Config config_of(int world, size_t capacity_bytes, int device) {
@@ -216,17 +216,12 @@ void Communicator::all_connected() {
   Watchdog::add(this);
 }
 
-// Refusals every rank makes alike: the call's size, dtype and op are the same on every rank (or the ranks'
-// calls mismatch, which the protocol reports), so refusing leaves the communicator usable.
-void Communicator::validate_shared(size_t count, DType dtype, ReduceOp op) const {
+// Refusals every rank makes alike: the call's dtype and op are the same on every rank (or the ranks' calls
+// mismatch, which the protocol reports), so refusing leaves the communicator usable.
+void Communicator::validate_shared(DType dtype, ReduceOp op) const {
   if (uint32_t(dtype) >= kNumDTypes) ROCENANTE_THROW(InvalidArgument, "unsupported dtype code " + std::to_string(uint32_t(dtype)));
   if (uint32_t(op) >= kNumOps) ROCENANTE_THROW(InvalidArgument, "unsupported op code " + std::to_string(uint32_t(op)));
   if (dtype == DType::kInt32 && op == ReduceOp::kAvg) ROCENANTE_THROW(InvalidArgument, "op avg is not defined for int32");
-  const size_t esize = dtype_size(dtype);
-  if (count > layout_.capacity_bytes / esize)
-    ROCENANTE_THROW(InvalidArgument, describe_call(count, dtype, op) + " is " + std::to_string(count * esize) +
-                                         " bytes, over this communicator's capacity of " +
-                                         std::to_string(layout_.capacity_bytes) + " bytes");
 }
 
 // What only this rank can see about its call; nullptr when the pointers are fine.
@@ -243,7 +238,7 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   std::unique_lock<std::mutex> lock(issue_);
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (const uint64_t fault = current_fault()) fail(fault, "");
-  validate_shared(count, dtype, op);
+  validate_shared(dtype, op);
   if (count == 0) return 0;
   if (const char* why = validate_local(in, out, count, dtype)) {
     lock.unlock();
@@ -251,13 +246,8 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   }
 
   AllReduceArgs a{};
-  a.in = reinterpret_cast<const void*>(in);
-  a.out = reinterpret_cast<void*>(out);
-  a.count = count;
-  a.bytes = count * dtype_size(dtype);
   a.dtype = dtype;
   a.op = op;
-  a.signature = call_signature(count, dtype, op);
   a.rank = rank_;
   a.world = world_;
   a.layout = layout_;
@@ -265,22 +255,41 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   for (int p = 0; p < world_; ++p) a.peer[p] = p == rank_ ? nullptr : transport_->peer_region(p);
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
 
-  if (kernel_) {
-    if (kernel_->launch(a, stream)) captured_ = true;
-    return ++issued_;
+  // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A piece is a
+  // multiple of 512 bytes, so every piece keeps the caller's alignment.
+  const size_t esize = dtype_size(dtype);
+  const size_t piece = piece_bytes(layout_.capacity_bytes, dtype) / esize;
+  uint32_t epoch = issued_;
+  for (size_t first = 0; first < count; first += piece) {
+    a.count = std::min(piece, count - first);
+    a.bytes = a.count * esize;
+    a.in = reinterpret_cast<const char*>(in) + first * esize;
+    a.out = reinterpret_cast<char*>(out) + first * esize;
+    a.signature = call_signature(a.count, dtype, op);
+    epoch = next_epoch(epoch);
+    issued_ = epoch;
+    if (kernel_) {
+      if (kernel_->launch(a, stream)) captured_ = true;
+      continue;
+    }
+    const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
+    reset_span_ = span_bytes(a.bytes, dtype);
+    if (fault == 0) continue;
+    // Poison what later pieces would have computed, as host_allreduce did for the rest of this one.
+    const uint32_t poison = poison_word(dtype);
+    for (size_t b = (first + a.count) * esize; b < count * esize; b += sizeof(poison))
+      std::memcpy(reinterpret_cast<char*>(out) + b, &poison, std::min(sizeof(poison), count * esize - b));
+    const std::string this_call = describe_call(count, dtype, op);
+    if (record(fault, epoch)) tell_peers(fault, epoch);
+    fail(fault_.load(), this_call);
   }
-  const uint32_t epoch = ++issued_;
-  const uint64_t fault = host_allreduce(a, epoch, interrupt_check_);
-  if (fault == 0) return epoch;
-  const std::string this_call = describe_call(count, dtype, op);
-  if (record(fault, epoch)) tell_peers(fault, epoch);
-  fail(fault_.load(), this_call);
+  return epoch;
 }
 
 void Communicator::refuse(const std::string& why) {
   std::lock_guard<std::mutex> lock(issue_);
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  const uint32_t epoch = issued_ + 1;  // the call the peers are making
+  const uint32_t epoch = next_epoch(issued_);  // the call the peers are making
   const uint64_t fault = encode_fault(Fault::kRefused, rank_, 0);
   const std::string words = "rank " + std::to_string(rank_) + ": call " + std::to_string(epoch) + ": refused " + why +
                             "; the peers had already started this call, so the communicator is closed and they "

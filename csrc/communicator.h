@@ -73,7 +73,7 @@ class Communicator {
   static void set_interrupt_check(InterruptCheck check) { interrupt_check_ = check; }
 
  private:
-  void validate_shared(size_t count, DType dtype, ReduceOp op) const;
+  void validate_shared(DType dtype, ReduceOp op) const;
   const char* validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
   // Records `fault` (the first one stays) for call `epoch`, with its words if they are known already (a
   // refusal's); true if it was the first.
@@ -98,7 +98,8 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order
-  std::atomic<uint32_t> issued_{0};        // calls issued; the CPU path's epoch is issued_ + 1
+  std::atomic<uint32_t> issued_{0};        // the epoch of the last call (piece) issued; calls start at 1
+  size_t reset_span_ = 0;                  // CPU path: span_bytes() of the last call, reset by the next one
   std::atomic<bool> captured_{false};
   std::mutex recording_;                   // guards the fault record's writes and message_
   std::atomic<uint64_t> fault_{0};         // the first fault this rank knows of (0: none); written last

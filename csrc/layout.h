@@ -1,30 +1,60 @@
-// The receive region every rank exposes to its peers, and the line format that carries data into it.
-// Shared by the host path (shared memory, CPU reduction) and the kernel (CUDA IPC): one protocol, one layout.
+// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v2).
+// One protocol for every transport: shared memory (host path), CUDA IPC (the kernel) and RDMA (a NIC writing
+// into the region for the sender). Every byte of payload crosses the wire once.
 //
-// Region of rank r:   header (abort[world]) | slot[2] x source[world] x line[capacity_bytes / 8]   (Line = 16 bytes)
-//   written by: source s writes only abort[s] and source[s] of every peer's region (its own input, pushed);
-//               r's own host writes abort[r] of r's region (a fault only it knows of: a peer's process ended,
-//               a call it refused), which stops r's own waits;
-//   read by:    rank r reads source[*] of its own region, then writes every line it read back to zero.
+// Region of rank r:  header | buffer[3] x peer area[world - 1] x capacity_bytes
+//   header:  abort[world] (u64, bytes 0..63) | call[3 buffers][world] (u32, from byte 64) | padding to 512 bytes
+//   area (b, s): where source s != r writes its part of a call that uses buffer b (area_offset());
+//   written by: source s writes only abort[s], call[b][s] and area (b, s) of every peer's region (it pushes);
+//               r's own host writes abort[r] (a fault only it knows of: a peer's process ended, a call it
+//               refused), which stops r's own waits;
+//   read by:    rank r reads call[b][*] and area (b, *) of its own region, and resets them (below).
 //
-// Line: {data0, flag, data1, flag} carries 8 payload bytes. The sender writes it with one 16-byte store and
-// the receiver reads it with one 16-byte load. We rely only on each 8-byte half {data, flag} being written
-// atomically (as NCCL's LL protocol does, over NVLink, PCIe and RDMA alike): a half whose flag is current
-// holds current data, so the flag can never become visible before its payload and no fence is needed.
+// The empty word kEmpty = 0x80000000 fills every call word and area word that holds nothing of a current call
+// (the region starts so, abort words start at 0). A rank waits for a 32-bit word until it is not kEmpty.
 //
-// Flag of a call = make_flag(signature of the call, epoch). The epoch counts calls, identically on every rank.
-//   - A half with flag == the expected value is this call's data from that peer.
-//   - A half with flag == 0 has not arrived yet (the receiver zeroed it after its last use).
-//   - Any other value means the peer made a different call (size, dtype or op); the signature inside the
-//     flag says which, and the communicator reports both calls.
-// Because the receiver zeroes what it read, no stale flag survives into a later call, so flags never need
-// to be unique over time and epoch wrap-around is harmless.
+// Formats (format_of(dtype)):
+//   kLamport (float32, float16, bfloat16): the payload itself, at its own byte offsets (16-byte units, the last
+//     one zero-padded). kEmpty is -0.0 in float32, and -0.0 in the high half of a pair of 16-bit elements, so a
+//     sender turns every -0.0 element into +0.0 (sanitize_word()); then no word it sends is kEmpty and a word
+//     that is not kEmpty has arrived. A rank reduces its own input sanitized the same way, or ranks would
+//     disagree on the sign of a zero (max/min) — so rocenante never returns -0.0 where the exact result is -0.0
+//     (sums of -0.0, max/min of zeros), a documented loss. NaN payloads are never kEmpty and pass unchanged.
+//     We rely on each aligned 32-bit word being written whole (true of NVLink and PCIe stores, CPU stores of
+//     aligned words, and an RDMA NIC's DMA writes), never on the order in which words land.
+//   kLines (int32): 0x80000000 is INT32_MIN, a legal value, so int32 cannot use a sentinel (remapping it would
+//     be a silent wrong answer). It travels in 16-byte lines {data0, flag, data1, flag}; each 8-byte half
+//     {data, flag} is written whole (as NCCL's LL protocol assumes over NVLink, PCIe and RDMA alike), so a half
+//     whose flag is the call word holds this call's data. A line carries 8 payload bytes, so int32 calls carry
+//     at most capacity_bytes / 2 per piece.
+// Calls larger than a piece (piece_bytes()) are split by the communicator; each piece is one call here.
 //
-// Why two slots suffice: calls alternate slots (slot = epoch & 1). A sender in call e+1 writes slot (e+1)&1,
-// last read by the receiver in call e-1. The sender got past call e only after receiving the receiver's data
-// for call e, which the receiver sends only after it finished (and zeroed) everything of call e-1.
-// That argument needs calls to execute in the order every rank issued them: the communicator orders each
-// call after the previous one whatever stream or thread issues it (communicator.cc).
+// Call word of a call = make_flag(signature, epoch): the signature says count, dtype and op, the epoch counts
+// calls (pieces) identically on every rank. A sender writes it into call[b][sender] of every peer's region.
+// No output element is written before its thread has read, for every peer, a call word equal to its own:
+//   - equal: the peer makes this very call, so whatever is not kEmpty in its area is this call's data;
+//   - kEmpty: not arrived yet; any other value: the peer made a different call (the signature says which),
+//     which is reported, never reduced — even when both calls have the same byte count.
+//
+// Buffers rotate: call e uses buffer e % 3 (buffer_of()). During call e every rank resets (writes kEmpty over)
+// buffer (e - 1) % 3 of its own region — the call words and the span the previous call used (span_bytes()) of
+// every area — off the critical path, while it waits for call e's data. Why nothing stale is ever taken for
+// current data:
+//   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
+//     rank r resets during call e + 1, only after it has received r's data for call e + 1, which r sends after
+//     it finished call e (on the GPU: the next kernel starts after the previous one completed; on the host: in
+//     program order after the reset's release fence). So the reset lands before any write of call e + 2.
+//   - Rank r resets only words it has seen arrive (every word of the span it polls, padding included), or that
+//     no one wrote; so no write of call e - 1 can land after the reset. A peer that made a different call may
+//     write other words, but a mismatch closes the communicator for good.
+//   - Two buffers would not do: a peer may start call e + 1 (writing buffer (e + 1) % 2 = (e - 1) % 2) as soon as
+//     it has our data of call e, before we have reset that buffer during call e.
+//   - Shared memory and CUDA IPC stores are placed exactly once. An RDMA NIC writing into host memory for the
+//     sender places words in any order (fine: every word validates itself); a retransmitted packet can repeat a
+//     write only until the sender's work request completes, and the sender waits for the completion of its
+//     writes of call e before it posts those of call e + 1 (transport's argument beside its code).
+// That argument needs calls to execute in the order every rank issued them: the communicator orders each call
+// after the previous one whatever stream or thread issues it (communicator.cc).
 //
 // Abort words: a rank that faults (timeout, mismatch, a call it refused alone, Ctrl-C) writes a nonzero
 // abort word, encode_fault(its fault kind, detail, its epoch), into abort[rank] of every peer's region, over
@@ -51,27 +81,62 @@ constexpr int kNumOps = 4;
 
 ROCENANTE_HD size_t dtype_size(DType t) { return t == DType::kFloat16 || t == DType::kBFloat16 ? 2 : 4; }
 
+enum class Format : uint32_t { kLamport = 0, kLines = 1 };
+constexpr ROCENANTE_HD Format format_of(DType t) { return t == DType::kInt32 ? Format::kLines : Format::kLamport; }
+
+// "Nothing here yet": in an area or a call word. Never a sent Lamport word, never a call word (bit 0 clear).
+constexpr uint32_t kEmpty = 0x80000000u;
+
+// A 32-bit word of float payload as it is sent: each -0.0 element becomes +0.0, so the word is never kEmpty.
+ROCENANTE_HD uint32_t sanitize_word(uint32_t w, DType t) {
+  if (t == DType::kFloat32) return w == kEmpty ? 0u : w;
+  if ((w & 0xFFFFu) == 0x8000u) w &= 0xFFFF0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000FFFFu;
+  return w;
+}
+
+// One unit of work (a GPU thread, a CPU loop step) reads 16 input bytes; the Lamport format sends them as they
+// are, the line format as two lines.
+constexpr size_t kChunkBytes = 16;
 struct alignas(16) Line {
   uint32_t data0, flag0, data1, flag1;
 };
 static_assert(sizeof(Line) == 16, "a line is one 16-byte store");
 constexpr size_t kLinePayloadBytes = 8;
-// One unit of work (a GPU thread, a CPU loop step) reads 16 input bytes and sends them as two lines.
-constexpr size_t kChunkBytes = 16;
 constexpr size_t kLinesPerChunk = kChunkBytes / kLinePayloadBytes;
-// Chunks are laid out in groups of one warp: the group's first lines, then its second lines. A warp-wide
+// Line chunks are laid out in groups of one warp: the group's first lines, then its second lines. A warp-wide
 // 16-byte store (or poll) then covers 512 contiguous bytes, whole sectors, instead of every other 16 bytes.
 constexpr size_t kChunksPerGroup = 32;
 ROCENANTE_HD size_t chunk_line(size_t chunk, int half) {
   return (chunk / kChunksPerGroup) * (kChunksPerGroup * kLinesPerChunk) + half * kChunksPerGroup + chunk % kChunksPerGroup;
 }
-// Capacity is a whole number of chunk groups, so chunk_line() stays inside a source's slot.
-constexpr size_t kCapacityGranule = kChunkBytes * kChunksPerGroup;
+// Capacity is a whole number of line groups twice over, so that half of it (an int32 piece) still is.
+constexpr size_t kCapacityGranule = 2 * kChunkBytes * kChunksPerGroup * kLinesPerChunk;
+
+// Bytes of an area a call of `bytes` payload may write: whole chunks, and for lines whole groups of lines.
+ROCENANTE_HD size_t span_bytes(size_t bytes, DType t) {
+  if (format_of(t) == Format::kLamport) return (bytes + kChunkBytes - 1) / kChunkBytes * kChunkBytes;
+  const size_t group = kChunkBytes * kChunksPerGroup;
+  return (bytes + group - 1) / group * group * kLinesPerChunk;
+}
+// Largest payload of one call (a piece) for an area of `capacity_bytes`.
+ROCENANTE_HD size_t piece_bytes(size_t capacity_bytes, DType t) {
+  return format_of(t) == Format::kLamport ? capacity_bytes : capacity_bytes / kLinesPerChunk;
+}
+
+// Buffer rotation (see above). The epoch wraps at a multiple of 3, so that buffer_of() keeps rotating across
+// the wrap; call words need not be unique over time, since every one is reset after use.
+constexpr int kBuffers = 3;
+constexpr uint32_t kEpochPeriod = 3u << 30;
+ROCENANTE_HD uint32_t next_epoch(uint32_t e) { return e + 1 == kEpochPeriod ? 0 : e + 1; }
+ROCENANTE_HD int buffer_of(uint32_t epoch) { return int(epoch % kBuffers); }
+ROCENANTE_HD int previous_buffer(uint32_t epoch) { return int((epoch + kBuffers - 1) % kBuffers); }
 
 // Most ranks a communicator serves: the kernel holds one line pair per rank in registers while it waits,
 // and one-shot (every rank receives world-1 full inputs) stops paying beyond one 8-GPU host anyway.
 constexpr int kMaxRanks = 8;
-// Capacity bounds: a multiple of one chunk, and small enough that the element count fits the signature.
+// Capacity bounds: a multiple of kCapacityGranule, and small enough that a piece's element count fits the
+// signature.
 constexpr size_t kMaxCapacityBytes = size_t(128) << 20;
 
 // Signature of a call: the element count (< 2^27, since capacity <= 128 MiB and elements are >= 2 bytes),
@@ -83,31 +148,42 @@ ROCENANTE_HD size_t signature_count(uint32_t sig) { return sig >> 5; }
 ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
 ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
 
-// Never zero (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which
+// Never kEmpty (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which
 // call the peer made: signature = (flag ^ (epoch << 1)) & ~1.
 ROCENANTE_HD uint32_t make_flag(uint32_t signature, uint32_t epoch) { return (signature ^ (epoch << 1)) | 1u; }
 ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (flag ^ (epoch << 1)) & ~1u; }
 
-// The region header: one abort word per source rank, padded so that the slots start on a 512-byte boundary
-// (a warp's 16-byte stores then cover whole sectors).
+// The region header: one abort word and three call words per source rank, padded so that the areas start on a
+// 512-byte boundary (a warp's 16-byte stores then cover whole sectors).
 constexpr size_t kHeaderBytes = 512;
-static_assert(kMaxRanks * sizeof(uint64_t) <= kHeaderBytes, "the header holds one abort word per rank");
+constexpr size_t kCallWordsOffset = kMaxRanks * sizeof(uint64_t);
+static_assert(kCallWordsOffset + kBuffers * kMaxRanks * sizeof(uint32_t) <= kHeaderBytes,
+              "the header holds the abort words and the call words");
 
 struct RegionLayout {
-  size_t capacity_bytes;  // largest payload of one call, a multiple of kCapacityGranule
+  size_t capacity_bytes;  // bytes of one area: a multiple of kCapacityGranule
   int world;
 
-  ROCENANTE_HD size_t lines_per_source() const { return capacity_bytes / kLinePayloadBytes; }
   ROCENANTE_HD size_t region_bytes() const {
-    return kHeaderBytes + 2 * size_t(world) * lines_per_source() * sizeof(Line);
+    return kHeaderBytes + size_t(kBuffers) * size_t(world - 1) * capacity_bytes;
   }
-  // First line of `source`'s data in `slot` of a region.
-  ROCENANTE_HD size_t line_index(int slot, int source) const {
-    return kHeaderBytes / sizeof(Line) + (size_t(slot) * world + source) * lines_per_source();
+  // Byte offset, in `receiver`'s region, of the area where `source` writes for a call using `buffer`. A rank
+  // has no area for itself (it reduces its own input in place), so sources above the receiver move down one.
+  ROCENANTE_HD size_t area_offset(int buffer, int receiver, int source) const {
+    const int index = source < receiver ? source : source - 1;
+    return kHeaderBytes + (size_t(buffer) * size_t(world - 1) + size_t(index)) * capacity_bytes;
   }
 };
-// abort[source] of a region.
-ROCENANTE_HD uint64_t* abort_word(Line* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
+// A region is addressed as 32-bit words (the unit of kEmpty); these name its parts.
+ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
+ROCENANTE_HD uint32_t* call_word(uint32_t* region, int buffer, int source) {
+  return region + (kCallWordsOffset / sizeof(uint32_t)) + buffer * kMaxRanks + source;
+}
+ROCENANTE_HD uint32_t* area(uint32_t* region, const RegionLayout& l, int buffer, int receiver, int source) {
+  return region + l.area_offset(buffer, receiver, source) / sizeof(uint32_t);
+}
+// The value word `index` of a fresh region holds: 0 in the abort words, kEmpty everywhere else.
+ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffset / sizeof(uint32_t) ? 0u : kEmpty; }
 
 // Why a call failed, packed in one 64-bit word so that one plain store publishes it whole.
 enum class Fault : uint32_t {

@@ -45,10 +45,12 @@ def _every_dtype_op_size(store, rank, world, seed):
     digests, case = [], 0
     for dtype in DTYPES:
         esize = torch.empty((), dtype=dtype).element_size()
-        limit = CAPACITY // esize
+        # One piece holds CAPACITY bytes of float payload, half of that for int32 (csrc/layout.h); larger calls
+        # go as several pieces.
+        limit = (CAPACITY // 2 if dtype == torch.int32 else CAPACITY) // esize
         rng = random.Random(seed + case)
         for op in ops_for(dtype):
-            for numel in [1, 3, 8, 9, 4097, limit - 1, limit] + [rng.randint(1, limit) for _ in range(3)]:
+            for numel in [1, 3, 8, 9, 4097, limit - 1, limit, limit + 1, 2 * limit + 5] + [rng.randint(1, 3 * limit)]:
                 case += 1
                 inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
                 offset = case % 3 == 0  # an input that is only element-aligned (a slice one element in)
@@ -191,21 +193,21 @@ def test_mismatched_sizes_fail_on_both_ranks():
     assert "rank 0 called all_reduce with 1000 x float32" in results[1], results[1]
 
 
-def _over_capacity(store, rank, world):
+def _shared_refusal(store, rank, world):
     comm = _comm(store, rank, world, capacity_bytes=4096)
-    x = torch.ones(1025, device=f"cuda:{rank}")
-    with pytest.raises(ValueError, match="over this communicator's capacity of 4096 bytes"):
-        comm.all_reduce(x)  # refused in C++: the error crosses the binding as a Python exception
+    x = torch.ones(1025, device=f"cuda:{rank}", dtype=torch.int32)
+    with pytest.raises(ValueError, match="op avg is not defined for int32"):
+        comm.all_reduce(x, op="avg")  # refused in C++: the error crosses the binding as a Python exception
     assert not comm.closed
-    y = comm.all_reduce(x[:1024])
+    y = comm.all_reduce(x)  # 4100 bytes: more than one piece of a 4096-byte capacity
     comm.synchronize()
-    assert torch.equal(y, torch.full_like(y, float(world)))
+    assert torch.equal(y, torch.full_like(y, world))
     comm.close()
     return True
 
 
 def test_refused_call_raises_and_leaves_the_communicator_usable():
-    assert expect_ok(run_ranks(WORLD, _over_capacity, timeout=120)) == [True, True]
+    assert expect_ok(run_ranks(WORLD, _shared_refusal, timeout=120)) == [True, True]
 
 
 def _cupy_arrays(store, rank, world):

@@ -1,29 +1,33 @@
-// The one-shot all-reduce kernel: one launch does the whole collective.
+// The one-shot all-reduce kernel: one launch does the whole collective, in the formats of layout.h.
 //
-//   push:  each thread reads one 16-byte chunk of the input and stores it, as two lines carrying this call's
-//          flag, into this rank's source slot of every peer's region (over NVLink via CUDA IPC mappings);
-//   pull:  the same thread polls its own region for the matching lines of every peer, combines all inputs in
-//          rank order (fp32 accumulation), writes the output chunk and zeroes the lines it consumed.
+//   push:  each thread reads one 16-byte chunk of the input and stores it (Lamport: sanitized; int32: as two
+//          lines) into this rank's area of the call's buffer in every peer's region (over NVLink via CUDA IPC
+//          mappings); one thread also stores the call word;
+//   reset: while the data travels, the threads write kEmpty over the previous call's buffer of our own region;
+//   pull:  each thread polls its own region for the same chunk from every peer until every word has arrived and
+//          the peer's call word equals ours, combines all inputs in rank order (fp32 accumulation) and writes
+//          the output chunk.
 //
-// No CTA waits for another CTA and no thread waits for anything but its own chunk's lines, so there is no
-// barrier round: the flag travels inside the data (layout.h). A thread that waits past the timeout, sees a
-// call mismatch or reads an abort word records the fault and tells every peer (abort words); from then on
-// every chunk it and any later launch would have computed is poisoned instead, decided here on the device,
-// so graph replays after a fault produce NaN (int32: INT32_MIN), never a stale or partial sum.
+// No CTA waits for another CTA and no thread waits for anything but its own chunk and the call words, so there
+// is no barrier round. A thread that waits past the timeout, sees a call mismatch or reads an abort word records
+// the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
+// computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
+// INT32_MIN), never a stale or partial sum.
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <vector>
 
 #include "../chunk_reduce.h"
 #include "../cuda_check.h"
-#include "lines.cuh"
 #include "oneshot_kernel.h"
+#include "wire.cuh"
 
 namespace rocenante {
 namespace {
 
-// Most CTAs one launch uses; also the number of epoch copies (see DeviceState::epochs).
-constexpr int kMaxBlocks = 256;
+// Most CTAs one launch may use; the launch shape also keeps every CTA resident at once (see max_blocks_).
+constexpr int kMaxBlocks = 1024;
 
 // Bits of DeviceState::fault_mask besides the missing peers.
 constexpr uint32_t kFaulted = 0x80000000u;       // some thread of this or an earlier launch faulted
@@ -36,15 +40,19 @@ struct DeviceState {
   // epoch+1 to every copy j with j % gridDim == b. Every copy is thus advanced exactly once per call, by the
   // only CTA that reads it, so all copies stay equal without any synchronisation between CTAs.
   uint32_t* epochs;
+  int copies;  // epoch copies in use: the most CTAs a launch of this communicator has
   // Device word, never cleared: kFaulted | kNotATimeout? | bit mask of peers a thread gave up on. Threads
   // poll it at their timer reads; a launch that finds it set poisons its whole output.
   uint32_t* fault_mask;
+  // spans[b]: span_bytes() of the last call that used buffer b, which the next call resets (layout.h).
+  uint32_t* spans;
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
 };
 
 constexpr int kThreads = 256;         // per CTA; small messages use fewer (a multiple of a warp)
 constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault words
+constexpr int kSendBatch = 4;           // chunks a thread loads before it sends them
 
 __device__ void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
   const size_t begin = c * kChunkBytes;
@@ -119,37 +127,114 @@ __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, 
   return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
+// Words one thread holds per peer for its chunk: the chunk itself (Lamport), or its two lines.
+template <DType D>
+constexpr int kWireWords = format_of(D) == Format::kLamport ? 4 : 4 * int(kLinesPerChunk);
+
+template <DType D>
+__device__ __forceinline__ void send_chunk(uint32_t* dst, size_t c, const uint32_t (&w)[4], uint32_t call) {
+  if constexpr (format_of(D) == Format::kLamport) {
+    store_remote(dst + c * (kChunkBytes / sizeof(uint32_t)), w);
+  } else {
+    Line* lines = reinterpret_cast<Line*>(dst);
+    store_line(lines + chunk_line(c, 0), w[0], w[1], call);
+    store_line(lines + chunk_line(c, 1), w[2], w[3], call);
+  }
+}
+
+// One poll of a peer's chunk: true once all of it has arrived (its words in `got`).
+template <DType D>
+__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<D>]) {
+  if constexpr (format_of(D) == Format::kLamport) {
+    uint32_t w[4];
+    load_polled(src + c * (kChunkBytes / sizeof(uint32_t)), w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) got[i] = w[i];
+    return w[0] != kEmpty && w[1] != kEmpty && w[2] != kEmpty && w[3] != kEmpty;
+  } else {
+    const uint32_t* lines = src;
+    uint32_t l0[4], l1[4];
+    load_polled(lines + chunk_line(c, 0) * 4, l0);
+    load_polled(lines + chunk_line(c, 1) * 4, l1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) got[i] = l0[i], got[4 + i] = l1[i];
+    return l0[1] == call && l0[3] == call && l1[1] == call && l1[3] == call;
+  }
+}
+
+// The payload words of a chunk as polled.
+template <DType D>
+__device__ __forceinline__ void payload(const uint32_t (&got)[kWireWords<D>], uint32_t (&w)[4]) {
+  if constexpr (format_of(D) == Format::kLamport) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = got[i];
+  } else {
+    w[0] = got[0], w[1] = got[2], w[2] = got[4], w[3] = got[6];
+  }
+}
+
+template <DType D>
+__device__ __forceinline__ void sanitize(uint32_t (&w)[4]) {
+  if constexpr (format_of(D) == Format::kLamport) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = sanitize_word(w[i], D);
+  }
+}
+
 template <DType D, ReduceOp Op>
 __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
   // Launched with programmatic stream serialization (see launch()): this grid may be scheduled while the
   // previous kernel of the stream is still running. griddepcontrol.wait returns once that kernel has completed
-  // and its writes (the caller's input, our epoch) are visible; launch_dependents then lets the next kernel be
-  // scheduled, and that kernel in turn waits for our completion. No data moves before the wait.
+  // and its writes (the caller's input, our epoch, spans and reset) are visible; launch_dependents then lets the
+  // next kernel be scheduled, and that kernel in turn waits for our completion. No data moves before the wait.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
-  const uint32_t epoch = load_epoch(&s.epochs[blockIdx.x]);
-  const int slot = epoch & 1;
-  const uint32_t flag = make_flag(a.signature, epoch);
+  const uint32_t epoch = load_relaxed(&s.epochs[blockIdx.x]);
+  const int buffer = buffer_of(epoch);
+  const uint32_t call = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
-  const size_t send_base = a.layout.line_index(slot, a.rank);
   // A communicator that faulted before this launch sends nothing and poisons everything.
   bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
 
-  for (size_t c = first; c < chunks && !failed; c += stride) {
-    uint32_t w[4];
-    load_chunk(a, c, w);
+  if (!failed) {
+    if (first == 0) {
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
-      if (p >= a.world || p == a.rank) continue;
-      Line* dst = a.peer[p] + send_base;
-      store_line(dst + chunk_line(c, 0), w[0], w[1], flag);
-      store_line(dst + chunk_line(c, 1), w[2], w[3], flag);
+      for (int p = 0; p < kMaxRanks; ++p)
+        if (p < a.world && p != a.rank) store_remote(call_word(a.peer[p], buffer, a.rank), call);
+    }
+    // kSendBatch chunks at a time: their input loads are all in flight before the first store (the stores'
+    // memory clobber keeps the compiler from moving later loads above them).
+    for (size_t c0 = first; c0 < chunks; c0 += kSendBatch * stride) {
+      uint32_t w[kSendBatch][4];
+#pragma unroll
+      for (int i = 0; i < kSendBatch; ++i)
+        if (c0 + i * stride < chunks) load_chunk(a, c0 + i * stride, w[i]);
+#pragma unroll
+      for (int i = 0; i < kSendBatch; ++i) {
+        if (c0 + i * stride >= chunks) break;
+        sanitize<D>(w[i]);
+#pragma unroll
+        for (int p = 0; p < kMaxRanks; ++p)
+          if (p < a.world && p != a.rank)
+            send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c0 + i * stride, w[i], call);
+      }
     }
   }
 
-  uint64_t deadline = 0;  // set at the first timer read, so a call whose peers are already there never reads it
+  // Reset the previous call's buffer while our data travels (layout.h says why it is free by now).
+  const int previous = previous_buffer(epoch);
+  const size_t reset_units = load_relaxed(&s.spans[previous]) / kChunkBytes;
+  for (int q = 0; q < a.world - 1; ++q) {
+    uint32_t* base = a.local + a.layout.area_offset(previous, a.rank, q < a.rank ? q : q + 1) / sizeof(uint32_t);
+    for (size_t u = first; u < reset_units; u += stride) store_empty(base + u * (kChunkBytes / sizeof(uint32_t)));
+  }
+  if (first < kMaxRanks) store_relaxed(call_word(a.local, previous, int(first)), kEmpty);
+  if (first == 0) store_relaxed(&s.spans[buffer], uint32_t(span_bytes(a.bytes, D)));
+
+  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+  uint64_t deadline = 0;    // set at the first timer read, so a call whose peers are already there never reads it
   for (size_t c = first; c < chunks; c += stride) {
     if (failed) {
       store_poison(a, c);
@@ -157,31 +242,29 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
     }
     uint32_t own[4];
     load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
-    // Poll every peer's two lines for this chunk until all carry our flag. Indices into `got` are
-    // compile-time constants after unrolling, so the lines stay in registers.
-    Line got[kMaxRanks][kLinesPerChunk];
+    sanitize<D>(own);
+    // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. Indices into `got`
+    // are compile-time constants after unrolling, so the words stay in registers.
+    uint32_t got[kMaxRanks][kWireWords<D>];
     uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
-    // A fault found at a timer read ends the wait after one more poll of the lines: a peer whose call differs
-    // writes its lines before it aborts, and this rank should name that call rather than relay the abort.
+    // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
+    // call word before it aborts, and this rank should name that call rather than relay the abort.
     uint64_t fault = 0;
     for (int polls = 1;; ++polls) {
 #pragma unroll
       for (int p = 0; p < kMaxRanks; ++p) {
         if (!(pending & (1u << p))) continue;
-        const Line* src = a.local + a.layout.line_index(slot, p);
-        got[p][0] = load_line(src + chunk_line(c, 0));
-        got[p][1] = load_line(src + chunk_line(c, 1));
-        const uint32_t f[4] = {got[p][0].flag0, got[p][0].flag1, got[p][1].flag0, got[p][1].flag1};
-        bool arrived = true;
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          if (f[h] != flag && f[h] != 0 && !failed) {  // the peer made a different call: say which
-            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(f[h], epoch)), epoch);
+        if (!(calls_seen & (1u << p))) {
+          const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
+          if (theirs == call) {
+            calls_seen |= 1u << p;
+          } else if (theirs != kEmpty && !failed) {  // the peer made a different call: say which
+            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs, epoch)), epoch);
             failed = true;
           }
-          arrived &= f[h] == flag;
         }
-        if (arrived) pending &= ~(1u << p);
+        const bool arrived = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
+        if (arrived && (calls_seen & (1u << p))) pending &= ~(1u << p);
       }
       if (failed || pending == 0) break;
       if (fault != 0) {
@@ -204,14 +287,13 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 #pragma unroll
     for (int p = 0; p < kMaxRanks; ++p) {
       if (p >= a.world) continue;
+      uint32_t w[4];
       if (p == a.rank) {
-        accumulate<D, Op>(acc, own, p == 0);
-        continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = own[i];
+      } else {
+        payload<D>(got[p], w);
       }
-      const uint32_t w[4] = {got[p][0].data0, got[p][0].data1, got[p][1].data0, got[p][1].data1};
-      Line* src = a.local + a.layout.line_index(slot, p);
-      zero_line(src + chunk_line(c, 0));
-      zero_line(src + chunk_line(c, 1));
       accumulate<D, Op>(acc, w, p == 0);
     }
     uint32_t w[4] = {0, 0, 0, 0};
@@ -222,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
   // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
   __syncthreads();
-  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < kMaxBlocks; j += gridDim.x * blockDim.x)
-    store_epoch(&s.epochs[j], epoch + 1);
+  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < s.copies; j += gridDim.x * blockDim.x)
+    store_relaxed(&s.epochs[j], next_epoch(epoch));
 }
 
 struct LaunchShape {
@@ -232,25 +314,47 @@ struct LaunchShape {
 };
 
 // One 16-byte chunk per thread: a single CTA (a whole number of warps) for small messages, then CTAs of
-// kThreads up to one per multiprocessor.
+// kThreads up to max_blocks.
 LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
   const size_t chunks = std::max<size_t>(1, (bytes + kChunkBytes - 1) / kChunkBytes);
   if (chunks <= size_t(kThreads)) return {1, int((chunks + 31) / 32 * 32)};
-  const size_t blocks = std::min<size_t>((chunks + kThreads - 1) / kThreads, size_t(std::min(max_blocks, kMaxBlocks)));
+  const size_t blocks = std::min<size_t>((chunks + kThreads - 1) / kThreads, size_t(max_blocks));
   return {int(blocks), kThreads};
 }
 
+// CTAs of kThreads that every multiprocessor can hold at once for every instantiation of the kernel.
+int resident_blocks_per_sm() {
+  int fewest = kMaxBlocks;
+  for (const DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32})
+    for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+      if (d == DType::kInt32 && op == ReduceOp::kAvg) continue;
+      dispatch_dtype_op(d, op, [&]<DType D, ReduceOp Op>() {
+        int n = 0;
+        ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, oneshot_allreduce_kernel<D, Op>, kThreads, 0));
+        fewest = std::min(fewest, n);
+      });
+    }
+  return fewest;
+}
 
 class CudaOneshotKernel final : public OneshotKernel {
  public:
   explicit CudaOneshotKernel(int device) : device_(device) {
     DeviceGuard guard(device_);
     try {
-      ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_));
-      ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kMaxBlocks * sizeof(uint32_t) + sizeof(uint32_t)));
+      int multiprocessors = 0;
+      ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device_));
+      // Every CTA of a launch must be resident at once: a CTA waits for data that the peer's CTA of the same
+      // index sends, and the peer's resident CTAs may be waiting for ours in turn. TEMPORARY tuning cap below.
+      static const int tune = getenv("ROCENANTE_TUNE_BLOCKS") ? atoi(getenv("ROCENANTE_TUNE_BLOCKS")) : 1;
+      max_blocks_ = std::min(kMaxBlocks, multiprocessors * std::min(tune, resident_blocks_per_sm()));
+      state_.copies = max_blocks_;
+      // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers].
+      ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, (kMaxBlocks + 1 + kBuffers) * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
-      std::vector<uint32_t> init(kMaxBlocks + 1, 1);  // every rank starts at epoch 1
-      init[kMaxBlocks] = 0;                           // fault_mask: no fault
+      state_.spans = state_.fault_mask + 1;
+      std::vector<uint32_t> init(kMaxBlocks + 1 + kBuffers, 0);  // no fault; every buffer is empty
+      std::fill(init.begin(), init.begin() + kMaxBlocks, 1);     // every rank starts at epoch 1
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord), cudaHostAllocMapped));
       *host_ = FaultRecord{};
@@ -276,7 +380,7 @@ class CudaOneshotKernel final : public OneshotKernel {
     const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     order_after_previous_call(stream);
     const AllReduceArgs& a = args;
-    const LaunchShape shape = oneshot_shape(a.bytes, multiprocessors_);
+    const LaunchShape shape = oneshot_shape(a.bytes, max_blocks_);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -341,7 +445,7 @@ class CudaOneshotKernel final : public OneshotKernel {
   }
 
   int device_;
-  int multiprocessors_ = 0;
+  int max_blocks_ = 0;  // CTAs of one launch at most; also the number of epoch copies
   DeviceState state_{};
   FaultRecord* host_ = nullptr;  // mapped: state_.record is its device address
   cudaEvent_t order_event_ = nullptr;

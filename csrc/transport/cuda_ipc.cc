@@ -2,13 +2,29 @@
 // maps with cudaIpcOpenMemHandle, so the kernel's stores to a peer travel over NVLink/NVSwitch (or PCIe P2P).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../cuda_check.h"
 #include "transport.h"
 
 namespace rocenante {
 namespace {
+
+// Writes initial_word() over a fresh region (layout.h), from a host buffer a piece at a time.
+void fill_initial(uint32_t* region, size_t bytes) {
+  constexpr size_t kPieceWords = size_t(1) << 18;  // 1 MiB of host memory
+  std::vector<uint32_t> words(std::min(kPieceWords, bytes / sizeof(uint32_t)));
+  for (size_t i = 0; i < words.size(); ++i) words[i] = initial_word(i);
+  ROCENANTE_CHECK_CUDA(cudaMemcpy(region, words.data(), words.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
+  std::fill(words.begin(), words.end(), kEmpty);  // past the header every word starts empty
+  for (size_t done = words.size() * sizeof(uint32_t); done < bytes;) {
+    const size_t n = std::min(words.size() * sizeof(uint32_t), bytes - done);
+    ROCENANTE_CHECK_CUDA(cudaMemcpy(reinterpret_cast<char*>(region) + done, words.data(), n, cudaMemcpyHostToDevice));
+    done += n;
+  }
+}
 
 class CudaIpcTransport final : public Transport {
  public:
@@ -18,10 +34,9 @@ class CudaIpcTransport final : public Transport {
     try {
       void* p = nullptr;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
-      regions_[rank_] = static_cast<Line*>(p);
-      // Zero lines mean "not arrived"; the memset completes before any peer learns our handle.
-      ROCENANTE_CHECK_CUDA(cudaMemset(p, 0, layout.region_bytes()));
-      ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
+      regions_[rank_] = static_cast<uint32_t*>(p);
+      // Synchronous copies: the region is empty before any peer learns our handle.
+      fill_initial(regions_[rank_], layout.region_bytes());
       ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
       ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
       ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
@@ -59,12 +74,12 @@ class CudaIpcTransport final : public Transport {
         ROCENANTE_THROW(Error, "cannot map rank " + std::to_string(p) + "'s GPU memory into device " +
                                    std::to_string(device_) + " over CUDA IPC: " + cudaGetErrorString(err) +
                                    " (peers must share a host and have peer access)");
-      regions_[p] = static_cast<Line*>(mapped);
+      regions_[p] = static_cast<uint32_t*>(mapped);
     }
   }
 
-  Line* local_region() const override { return regions_[rank_]; }
-  Line* peer_region(int peer) const override { return regions_[peer]; }
+  uint32_t* local_region() const override { return regions_[rank_]; }
+  uint32_t* peer_region(int peer) const override { return regions_[peer]; }
 
   // A copy on a stream of our own, from pinned memory, so that it neither waits for our spinning kernels
   // nor breaks a graph capture under way on another stream.
@@ -96,7 +111,7 @@ class CudaIpcTransport final : public Transport {
   int rank_;
   int device_;
   cudaIpcMemHandle_t handle_{};
-  std::vector<Line*> regions_;
+  std::vector<uint32_t*> regions_;
   cudaStream_t abort_stream_ = nullptr;
   uint64_t* abort_staging_ = nullptr;
 };

@@ -96,8 +96,10 @@ class ShmTransport final : public Transport {
     linked_ = true;
     try {
       ROCENANTE_CHECK_SYS(fchmod(fd, 0600));  // whatever the umask: peers check it
-      reserve(fd, rank, layout);  // a new segment reads as zeros: no line has arrived
+      reserve(fd, rank, layout);
       regions_[rank] = map(fd);
+      // Empty before any peer learns the name (layout.h).
+      for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) regions_[rank][i] = initial_word(i);
     } catch (...) {
       close(fd);
       unlink_name();
@@ -107,7 +109,7 @@ class ShmTransport final : public Transport {
   }
 
   ~ShmTransport() override {
-    for (Line* r : regions_)
+    for (uint32_t* r : regions_)
       if (r != nullptr) munmap(r, bytes_);
     unlink_name();
   }
@@ -149,17 +151,17 @@ class ShmTransport final : public Transport {
 
   void all_connected() override { unlink_name(); }
 
-  Line* local_region() const override { return regions_[rank_]; }
-  Line* peer_region(int peer) const override { return regions_[peer]; }
+  uint32_t* local_region() const override { return regions_[rank_]; }
+  uint32_t* peer_region(int peer) const override { return regions_[peer]; }
   void post_abort(int peer, uint64_t word) noexcept override {
     if (regions_[peer] != nullptr) __atomic_store_n(abort_word(regions_[peer], rank_), word, __ATOMIC_RELEASE);
   }
 
  private:
-  Line* map(int fd) const {
+  uint32_t* map(int fd) const {
     void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
-    return static_cast<Line*>(p);
+    return static_cast<uint32_t*>(p);
   }
   void unlink_name() {
     if (linked_) shm_unlink(name_.c_str());
@@ -170,7 +172,7 @@ class ShmTransport final : public Transport {
   size_t bytes_;
   std::string name_;
   bool linked_ = false;
-  std::vector<Line*> regions_;
+  std::vector<uint32_t*> regions_;
 };
 
 }  // namespace

@@ -1,8 +1,9 @@
-// How a rank's lines reach its peers. A transport only maps memory; the protocol (layout.h) and the
+// How a rank's data reaches its peers. A transport only maps memory; the protocol (layout.h) and the
 // reduction (host_allreduce.cc, device/oneshot_allreduce.cu) are the same whichever transport carried it.
 //
 // Lifecycle, driven by the communicator with a rendezvous store in between:
-//   1. construct: allocate this rank's receive region (zeroed), sized by RegionLayout::region_bytes();
+//   1. construct: allocate this rank's receive region, sized by RegionLayout::region_bytes() and filled with
+//      initial_word() (layout.h);
 //   2. local_handle(): bytes that let a peer map that region; every rank publishes its own;
 //   3. connect(handles): map every peer's region (handles[rank] is our own and is skipped);
 //   4. all_connected(): every rank has connected; drop what only connecting needed (e.g. names).
@@ -23,9 +24,9 @@ class Transport {
   virtual void connect(const std::vector<std::string>& handles) = 0;
   virtual void all_connected() {}
   // This rank's receive region, in the address space that reduces (host for CPU, device for GPU).
-  virtual Line* local_region() const = 0;
+  virtual uint32_t* local_region() const = 0;
   // Where this rank writes to land in peer's region (the peer's mapped memory for direct transports).
-  virtual Line* peer_region(int peer) const = 0;
+  virtual uint32_t* peer_region(int peer) const = 0;
   // From the host: writes `word` into abort[rank] of peer's region (layout.h; peer == rank: our own region)
   // and returns once it is there. Never throws: it runs on failure paths, where a peer that cannot be told
   // will time out instead.

@@ -1,0 +1,81 @@
+// Every memory access of the kernel that another grid, GPU or the host observes, with the ordering it needs.
+// Areas and call words: see layout.h for why volatile accesses of whole words (Lamport) or whole 8-byte halves
+// (lines) need no fence: every word a peer stores validates itself, whatever order the words land in. Epoch and
+// spans: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
+// and abort words: seen by the host and by peer GPUs (system scope); the release orders what a thread wrote
+// before them (e.g. the record's epoch) first.
+#pragma once
+
+#include <cstdint>
+
+#include "../layout.h"
+
+namespace rocenante {
+
+// Stores to a peer's region (remote memory through CUDA IPC). volatile: not combined, not cached.
+__device__ __forceinline__ void store_remote(uint32_t* p, const uint32_t (&w)[4]) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
+}
+__device__ __forceinline__ void store_remote(uint32_t* p, uint32_t v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void store_line(Line* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+               : "memory");
+}
+
+// Loads from our own region; volatile so that every poll reads memory again instead of a cached copy.
+__device__ __forceinline__ void load_polled(const uint32_t* p, uint32_t (&w)[4]) {
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(p)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t load_polled(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The reset of our own region (layout.h): plain stores, ordered before any peer's next write to these words by
+// the end of this kernel, which comes before we send the data that lets a peer make that write.
+__device__ __forceinline__ void store_empty(uint32_t* p) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(p), "r"(kEmpty) : "memory");
+}
+
+// The epoch and spans are relaxed (yet strong, GPU scope: no data race in PTX's model) on purpose. Within a
+// launch an epoch copy is read and written only by one CTA, its read and its write separated by __syncthreads,
+// and a launch writes only the span of its own buffer while it reads the previous buffer's; between launches
+// the kernel boundary (with PDL, griddepcontrol.wait: the previous grid has completed and its writes are
+// visible) orders them. Acquire/release would order nothing more, and cost 1.2 us per call at 1 KiB on
+// 2 x H200 (median of 5 alternated runs, benchmarks/results/h200x2-ordering-ab-rejected.json), presumably
+// because the release store waits for the thread's NVLink stores to complete.
+__device__ __forceinline__ uint32_t load_relaxed(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_relaxed(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Generic addressing: these words live in device memory (ours or a peer's) or in mapped host memory.
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+}  // namespace rocenante
