@@ -42,7 +42,8 @@ def main() -> None:
         "provenance": {**first["provenance"], "method": "benchmarks/ordering_ab.sh: builds of one tree, 'relaxed' "
                        "with every .acquire/.release of csrc/device/lines.cuh made .relaxed ('baseline': another "
                        f"tree, see the note); runs alternated {len(rounds)} times; p10/p90 here are the min/max "
-                       "of the runs' medians"},
+                       "of the runs' medians",
+                       "bench_method": first["provenance"].get("method")},  # each run's, as the bench recorded it
         "world_size": first["world_size"],
         "rows": rows,
         "ordering_ab": ab,

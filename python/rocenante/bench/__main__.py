@@ -1,5 +1,6 @@
-"""python -m rocenante.bench [--device cpu|cuda] [-n RANKS] ...: runs every arm side by side, interleaved,
-prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib is there)."""
+"""python -m rocenante.bench [--device cpu|cuda] [-n RANKS] ...: checks every arm's output, times the arms side by
+side, interleaved and in rotated order, prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib
+is there). The method is described in runner.py and README.md ("Benchmark method")."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
+
+from rocenante.bench import arms, runner
+
+
+# Seconds a rank process gets to exit after its result, or to report after a peer's failure.
+_GRACE_S = 60
 
 
 def _size(text: str) -> int:
@@ -26,8 +34,11 @@ def parse_args(argv=None):
     p.add_argument("--size-factor", type=int, default=2, help="ratio between successive sizes (default 2)")
     p.add_argument("--dtypes", default=None, help="comma-separated; default bfloat16,float16,float32 on GPU, float32 on CPU")
     p.add_argument("--modes", default=None, help="graph,eager on GPU (default); eager on CPU")
-    p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all)")
-    p.add_argument("--rounds", type=int, default=25, help="measurements per arm and size")
+    p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all); on GPU "
+                   + ",".join(arms.NAMES["cuda"]) + "; on CPU " + ",".join(arms.NAMES["cpu"]))
+    p.add_argument("--rounds", type=int, default=25,
+                   help=f"measurements (graph replays or eager loops) per arm, size and mode, at least "
+                        f"{runner.MIN_ROUNDS} (default 25)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--calibration", default=None,
@@ -46,6 +57,15 @@ def parse_args(argv=None):
         p.error(f"{a.ranks} ranks need {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
     if a.ranks < 2:
         p.error("an all-reduce benchmark needs at least 2 ranks")
+    if a.rounds < runner.MIN_ROUNDS:
+        p.error(f"--rounds {a.rounds}: p10 and p90 need at least {runner.MIN_ROUNDS} measurements")
+    known = arms.NAMES[a.device]
+    a.arms = [x for x in a.arms.split(",") if x]
+    unknown = [x for x in a.arms if x not in known]
+    if unknown:
+        p.error(f"unknown arm(s) {','.join(unknown)} on {a.device}; known: {','.join(known)}")
+    if not 1 <= a.min_bytes <= a.max_bytes or a.size_factor < 2:
+        p.error("sizes need 1 <= --min-bytes <= --max-bytes and --size-factor >= 2")
     return a
 
 
@@ -72,7 +92,7 @@ def main(argv=None) -> int:
 
     import rocenante
     from rocenante import _C
-    from rocenante.bench import provenance, report, runner
+    from rocenante.bench import provenance, report
 
     a = parse_args(argv)
     sizes, b = [], a.min_bytes
@@ -81,7 +101,7 @@ def main(argv=None) -> int:
         b *= a.size_factor
     cfg = {
         "device": a.device, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes, "rounds": a.rounds,
-        "arms": [x for x in a.arms.split(",") if x], "max_bytes": a.max_bytes,
+        "arms": a.arms, "max_bytes": a.max_bytes,
         "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
     }
     print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
@@ -92,23 +112,30 @@ def main(argv=None) -> int:
         procs = [ctx.Process(target=runner.run_rank, args=(store, r, a.ranks, cfg, queue)) for r in range(a.ranks)]
         for p in procs:
             p.start()
-        results = {}
+        results, give_up = {}, None
         while len(results) < a.ranks:
             try:
                 rank, value = queue.get(timeout=5)
             except Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead and queue.empty():
+                late = [r for r in range(a.ranks) if r not in results]
+                if (dead and queue.empty()) or (give_up is not None and time.monotonic() > give_up):
                     for p in procs:
                         p.kill()
-                    print(f"rank(s) {dead} exited without a result", file=sys.stderr)
-                    return 1
+                    why = "exited" if dead else f"did not report within {_GRACE_S} s of a peer's failure"
+                    print(f"rank(s) {dead or late} {why} without a result", file=sys.stderr)
+                    if not any("error" in v for v in results.values()):
+                        return 1
+                    break
                 continue
             results[rank] = value
+            if "error" in value and give_up is None:  # its peers may be stuck in a collective with it
+                give_up = time.monotonic() + _GRACE_S
         for p in procs:  # results are in; teardown gets a bounded time
-            p.join(timeout=60)
+            p.join(timeout=_GRACE_S)
             if p.is_alive():
-                print(f"rank process {p.pid} did not exit within 60 s of its result; killing it", file=sys.stderr)
+                print(f"rank process {p.pid} did not exit within {_GRACE_S} s of its result; killing it",
+                      file=sys.stderr)
                 p.kill()
     failed = {r: v for r, v in results.items() if "error" in v}
     if failed:
@@ -118,7 +145,7 @@ def main(argv=None) -> int:
     out = results[0]
     result = {
         "schema": report.SCHEMA,
-        "provenance": provenance.collect(a.device),
+        "provenance": provenance.collect(a.device, runner.method(cfg, out["method"])),
         "world_size": a.ranks,
         "config": cfg,
         "rows": out["rows"],

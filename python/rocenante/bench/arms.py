@@ -1,25 +1,31 @@
-"""The all-reduce implementations a benchmark compares. Each arm prepares one (dtype, size) and then runs
-`ops` back-to-back all-reduces per measurement, captured in a CUDA graph or called eagerly."""
+"""The all-reduce implementations a benchmark compares. Each arm allocates the buffers of one (dtype, size) and
+runs one all-reduce on them; the runner times back-to-back calls, captured in a CUDA graph or called eagerly."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+# Every arm the benchmark knows, per device type, in the order they run in round 0 (--arms picks a subset).
+NAMES = {
+    "cuda": ["rocenante", "rocenante_backend", "nccl", "symm_mem_one_shot", "symm_mem_two_shot"],
+    "cpu": ["rocenante", "rocenante_backend", "gloo"],
+}
+
 
 class Arm:
     name = ""
 
     def __init__(self, ctx):
-        self.ctx = ctx  # rank, world, device, communicator, process groups
+        self.ctx = ctx  # rank, world, device, communicator
 
-    def call(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One all-reduce of x (into y where the arm writes out of place)."""
+    def call(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One all-reduce (sum) of x; returns the tensor that holds the result (x, y or a new one)."""
         raise NotImplementedError
 
     def prepare(self, numel: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input (filled with random data, never zeros) and output buffers of one (dtype, size)."""
-        x = torch.randn(numel, device=self.ctx.device).to(dtype)
+        """Input and output buffers of one (dtype, size); the runner fills the input."""
+        x = torch.empty(numel, dtype=dtype, device=self.ctx.device)
         return x, torch.empty_like(x)
 
     def supports(self, nbytes: int, dtype) -> str | None:
@@ -32,6 +38,7 @@ class Rocenante(Arm):
 
     def call(self, x, y):
         self.ctx.comm.all_reduce(x, out=y)
+        return y
 
     def supports(self, nbytes, dtype):
         if nbytes > self.ctx.comm.capacity_bytes:
@@ -40,7 +47,7 @@ class Rocenante(Arm):
 
 
 class Collective(Arm):
-    """torch.distributed all_reduce on a process group (NCCL for CUDA tensors, gloo for CPU ones)."""
+    """torch.distributed all_reduce on a process group (NCCL for CUDA tensors, gloo for CPU ones), in place."""
 
     def __init__(self, ctx, name, group):
         super().__init__(ctx)
@@ -49,6 +56,7 @@ class Collective(Arm):
 
     def call(self, x, y):
         dist.all_reduce(x, group=self.group)
+        return x
 
 
 class SymmMem(Arm):
@@ -66,9 +74,7 @@ class SymmMem(Arm):
         self.symm_mem = symm_mem
         self.max_bytes = max_bytes
         self.buffers: dict = {}
-        self.op = (
-            torch.ops.symm_mem.one_shot_all_reduce if name == "symm_mem_one_shot" else torch.ops.symm_mem.two_shot_all_reduce_
-        )
+        self.one_shot = name == "symm_mem_one_shot"
 
     def prepare(self, numel, dtype):
         if dtype not in self.buffers:
@@ -77,11 +83,13 @@ class SymmMem(Arm):
             self.symm_mem.rendezvous(buf, self.group_name)
             self.buffers[dtype] = buf
         x = self.buffers[dtype][:numel]
-        x.copy_(torch.randn(numel, device=self.ctx.device).to(dtype))
         return x, x
 
     def call(self, x, y):
-        self.op(x, "sum", self.group_name)
+        if self.one_shot:
+            return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
+        torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
+        return x
 
 
 def available_symm_mem_arms() -> list[str]:

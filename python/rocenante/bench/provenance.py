@@ -30,7 +30,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def collect(device_type: str) -> dict:
+def collect(device_type: str, method: dict) -> dict:
+    """`method`: how the run measured (runner.method), kept beside where it ran."""
     import rocenante
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +52,7 @@ def collect(device_type: str) -> dict:
         "cuda": torch.version.cuda,
         "nccl": None,
         "topology": None,
+        "method": method,
     }
     if device_type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
