@@ -175,7 +175,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (device_ < 0) {
     transport_ = make_shm_transport(rank, layout_);
   } else {
-    kernel_ = make_oneshot_kernel(device_);
+    kernel_ = make_oneshot_kernel(device_, world_);
     transport_ = make_cuda_ipc_transport(rank, device_, layout_);
   }
 }

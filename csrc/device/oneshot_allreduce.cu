@@ -14,7 +14,6 @@
 // computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
 // INT32_MIN), never a stale or partial sum.
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <vector>
 
@@ -181,7 +180,9 @@ __device__ __forceinline__ void sanitize(uint32_t (&w)[4]) {
   }
 }
 
-template <DType D, ReduceOp Op>
+// W: the world size rounded up to 2, 4 or 8, so that loops over peers unroll to what the world needs and a
+// small world keeps fewer registers (more CTAs resident, more loads in flight).
+template <DType D, ReduceOp Op, int W>
 __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
   // Launched with programmatic stream serialization (see launch()): this grid may be scheduled while the
   // previous kernel of the stream is still running. griddepcontrol.wait returns once that kernel has completed
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   if (!failed) {
     if (first == 0) {
 #pragma unroll
-      for (int p = 0; p < kMaxRanks; ++p)
+      for (int p = 0; p < W; ++p)
         if (p < a.world && p != a.rank) store_remote(call_word(a.peer[p], buffer, a.rank), call);
     }
     // kSendBatch chunks at a time: their input loads are all in flight before the first store (the stores'
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
         if (c0 + i * stride >= chunks) break;
         sanitize<D>(w[i]);
 #pragma unroll
-        for (int p = 0; p < kMaxRanks; ++p)
+        for (int p = 0; p < W; ++p)
           if (p < a.world && p != a.rank)
             send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c0 + i * stride, w[i], call);
       }
@@ -245,14 +246,14 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
     sanitize<D>(own);
     // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. Indices into `got`
     // are compile-time constants after unrolling, so the words stay in registers.
-    uint32_t got[kMaxRanks][kWireWords<D>];
+    uint32_t got[W][kWireWords<D>];
     uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
     // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
     // call word before it aborts, and this rank should name that call rather than relay the abort.
     uint64_t fault = 0;
     for (int polls = 1;; ++polls) {
 #pragma unroll
-      for (int p = 0; p < kMaxRanks; ++p) {
+      for (int p = 0; p < W; ++p) {
         if (!(pending & (1u << p))) continue;
         if (!(calls_seen & (1u << p))) {
           const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 
     typename Chunk<D>::Acc acc[Chunk<D>::kElems];
 #pragma unroll
-    for (int p = 0; p < kMaxRanks; ++p) {
+    for (int p = 0; p < W; ++p) {
       if (p >= a.world) continue;
       uint32_t w[4];
       if (p == a.rank) {
@@ -322,16 +323,27 @@ LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
   return {int(blocks), kThreads};
 }
 
-// CTAs of kThreads that every multiprocessor can hold at once for every instantiation of the kernel.
-int resident_blocks_per_sm() {
+// Calls f.template operator()<W>() with the kernel's world bound for `world` (see the kernel).
+template <typename F>
+void dispatch_world(int world, F&& f) {
+  if (world <= 2) return f.template operator()<2>();
+  if (world <= 4) return f.template operator()<4>();
+  return f.template operator()<8>();
+}
+
+// CTAs of kThreads that every multiprocessor can hold at once for every kernel a communicator of `world` runs.
+int resident_blocks_per_sm(int world) {
   int fewest = kMaxBlocks;
   for (const DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32})
     for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
       if (d == DType::kInt32 && op == ReduceOp::kAvg) continue;
       dispatch_dtype_op(d, op, [&]<DType D, ReduceOp Op>() {
-        int n = 0;
-        ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, oneshot_allreduce_kernel<D, Op>, kThreads, 0));
-        fewest = std::min(fewest, n);
+        dispatch_world(world, [&]<int W>() {
+          int n = 0;
+          ROCENANTE_CHECK_CUDA(
+              cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, oneshot_allreduce_kernel<D, Op, W>, kThreads, 0));
+          fewest = std::min(fewest, n);
+        });
       });
     }
   return fewest;
@@ -339,15 +351,16 @@ int resident_blocks_per_sm() {
 
 class CudaOneshotKernel final : public OneshotKernel {
  public:
-  explicit CudaOneshotKernel(int device) : device_(device) {
+  CudaOneshotKernel(int device, int world) : device_(device) {
     DeviceGuard guard(device_);
     try {
       int multiprocessors = 0;
       ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device_));
-      // Every CTA of a launch must be resident at once: a CTA waits for data that the peer's CTA of the same
-      // index sends, and the peer's resident CTAs may be waiting for ours in turn. TEMPORARY tuning cap below.
-      static const int tune = getenv("ROCENANTE_TUNE_BLOCKS") ? atoi(getenv("ROCENANTE_TUNE_BLOCKS")) : 1;
-      max_blocks_ = std::min(kMaxBlocks, multiprocessors * std::min(tune, resident_blocks_per_sm()));
+      // As many CTAs as fit at once: more loads in flight (at world 2, 4 CTAs per multiprocessor against 1 and 2:
+      // 4 MiB bf16 in 16.8 us against 18.7 us at 2, benchmarks/results/h200x2-v2-shape-ab.json). Never more:
+      // every CTA must be resident at once, since a CTA waits for data the peer's CTA of the same index sends,
+      // and the peer's resident CTAs may be waiting for ours in turn.
+      max_blocks_ = std::min(kMaxBlocks, multiprocessors * resident_blocks_per_sm(world));
       state_.copies = max_blocks_;
       // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers].
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, (kMaxBlocks + 1 + kBuffers) * sizeof(uint32_t)));
@@ -391,7 +404,9 @@ class CudaOneshotKernel final : public OneshotKernel {
     config.attrs = &overlap;
     config.numAttrs = 1;
     dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() {
-      ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op>, a, state_));
+      dispatch_world(a.world, [&]<int W>() {
+        ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op, W>, a, state_));
+      });
     });
     previous_stream_ = stream;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -454,6 +469,8 @@ class CudaOneshotKernel final : public OneshotKernel {
 
 }  // namespace
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device) { return std::make_unique<CudaOneshotKernel>(device); }
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world) {
+  return std::make_unique<CudaOneshotKernel>(device, world);
+}
 
 }  // namespace rocenante

@@ -22,6 +22,6 @@ class OneshotKernel {
   virtual FaultRecord fault() const = 0;
 };
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device);
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world);
 
 }  // namespace rocenante

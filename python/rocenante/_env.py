@@ -9,10 +9,15 @@ from rocenante import _C
 # How long one wait on a peer may last before the call fails naming the peer (seconds). Generous by default:
 # a peer may legitimately be late by a long compilation or a checkpoint load.
 DEFAULT_TIMEOUT_S = 300.0
-# Largest message of one call (bytes). Each rank's receive region holds 2 slots x world x 2 x capacity.
-# 4 MiB: where NCCL overtakes the one-shot on 2 x H200 (bf16, CUDA graph: 34.5 us vs 37.4 us at 4 MiB,
-# 66.8 us vs 49.8 us at 8 MiB; benchmarks/results/h200x2-bf16.json).
+# Bytes of one area (csrc/layout.h): the largest float piece of one call (int32: half). Each rank's receive
+# region holds 3 buffers x (world - 1) areas: 12 MiB at world 2, 84 MiB at world 8. Larger calls go as pieces.
 DEFAULT_CAPACITY_BYTES = 4 << 20
+# Largest all-reduce the backend sends to rocenante; larger ones go to NCCL. World 2 (2 x H200, bf16, CUDA
+# graph): rocenante is ahead of NCCL to 8 MiB and behind at 16 MiB (benchmarks/results/h200x2-v2.json).
+# Worlds 3-8 are NOT YET MEASURED: a one-shot moves world/2 times a ring's bytes, so the crossover is taken to
+# shrink in proportion, 16 MiB / world (4 MiB at 4, 2 MiB at 8). CPU: gloo is not measured past 1 MiB; 4 MiB.
+GPU_THRESHOLD_AT_WORLD_2 = 8 << 20
+CPU_THRESHOLD_BYTES = 4 << 20
 
 
 def _positive(what: str, value):
@@ -45,8 +50,19 @@ def timeout_s(given=None) -> float:
 
 
 def capacity_bytes() -> int:
-    """ROCENANTE_CAPACITY_BYTES: largest all-reduce a communicator serves, in bytes."""
+    """ROCENANTE_CAPACITY_BYTES: bytes of one area of a communicator's receive region, the largest float piece
+    of one call (int32: half); larger calls go as several pieces."""
     return _from_env("ROCENANTE_CAPACITY_BYTES", int, DEFAULT_CAPACITY_BYTES)
+
+
+def threshold_bytes(device_type: str, world: int) -> int:
+    """ROCENANTE_THRESHOLD_BYTES: the largest all-reduce the backend runs on rocenante; larger ones go to the
+    fallback (NCCL or gloo). Default: measured at world 2 on GPUs, derived for other worlds (see above)."""
+    if device_type == "cpu":
+        default = CPU_THRESHOLD_BYTES
+    else:
+        default = GPU_THRESHOLD_AT_WORLD_2 if world <= 2 else (16 << 20) // world
+    return _from_env("ROCENANTE_THRESHOLD_BYTES", int, default)
 
 
 def on_fault() -> str:

@@ -2,7 +2,7 @@
 
     dist.init_process_group(backend="rocenante")
 
-The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the capacity)
+The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the threshold)
 through a rocenante Communicator and delegates everything else to a gloo group (CPU tensors) or an NCCL group
 (CUDA tensors) built on the same store. Collectives it does not override reach those groups directly, as the
 backends registered for their device. Eligibility depends only on what every rank shares (dtype, size, op,
@@ -128,7 +128,8 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def _start(self, store, rank, size, device_type, timeout, group_name) -> None:
         key = f"rocenante/selftest/{device_type}"
-        local = self._local_check(device_type)
+        local = self._local_check(device_type, size)
+        local_threshold = local.get("threshold_bytes", 0)
         checks = _agree(store, f"{key}/config", rank, size, local, timeout)
         reason = self._disagreement(checks)
         if reason is None:
@@ -158,7 +159,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._status[device_type] = {
             "active": reason is None,
             "reason": reason or "self-test passed on every rank",
-            "threshold_bytes": self._comms[device_type].capacity_bytes if reason is None else 0,
+            "threshold_bytes": local_threshold if reason is None else 0,
             "fallback": fallback,
         }
         if reason is not None:
@@ -168,13 +169,14 @@ class RocenanteProcessGroup(dist.ProcessGroup):
                 logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, reason)
 
     @staticmethod
-    def _local_check(device_type: str) -> dict:
+    def _local_check(device_type: str, size: int) -> dict:
         """What this rank can tell alone: its configuration, or why it cannot take part."""
         entry = {"ok": True, "host": socket.gethostname()}
         try:
             if _env.disabled():
                 return {**entry, "ok": False, "why": "disabled by ROCENANTE_DISABLE=1"}
-            entry.update(capacity_bytes=_env.capacity_bytes(), timeout_s=_env.timeout_s())
+            entry.update(capacity_bytes=_env.capacity_bytes(), timeout_s=_env.timeout_s(),
+                         threshold_bytes=_env.threshold_bytes(device_type, size))
             if device_type == "cpu":
                 entry["device"] = "cpu"
             else:
@@ -199,7 +201,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             ranks = [r for r, g in enumerate(gpus) if g in shared]
             # One kernel per rank spins until every peer's data arrives: two ranks on one GPU would wait forever.
             return f"ranks {ranks} share a GPU (call torch.cuda.set_device(local_rank) before init_process_group)"
-        for field in ("capacity_bytes", "timeout_s"):
+        for field in ("capacity_bytes", "threshold_bytes", "timeout_s"):
             values = [c[field] for c in checks]
             if len(set(values)) > 1:
                 return f"ranks disagree on {field}: {values}"
@@ -222,14 +224,15 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def _eligible(self, t: torch.Tensor, op: str | None) -> Communicator | None:
         """The communicator that serves this all-reduce, or None. Only rank-shared facts decide."""
-        comm = self._comms.get("cuda" if t.is_cuda else "cpu" if t.is_cpu else None)
+        device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+        comm = self._comms.get(device_type)
         if (
             comm is not None
             and op is not None
             and t.dtype in _DTYPES
             and not (op == "avg" and t.dtype == torch.int32)
             and not t.is_sparse
-            and 0 < t.nbytes <= comm.capacity_bytes
+            and 0 < t.nbytes <= self._status[device_type]["threshold_bytes"]
         ):
             return comm
         return None

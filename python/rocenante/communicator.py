@@ -121,7 +121,7 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.capacity_bytes = _env.capacity_bytes() if capacity_bytes is None else int(capacity_bytes)
-        granule = _C.capacity_granule_bytes  # the core lays data out in groups of 32 chunks of 16 bytes
+        granule = _C.capacity_granule_bytes  # whole groups of int32 lines, twice over (csrc/layout.h)
         self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
         self.timeout_s = _env.timeout_s(timeout_s)
         # Every rank draws one ticket per communicator of this name and world size; all tickets of one are drawn
@@ -170,11 +170,12 @@ class Communicator:
 
         ``x`` is a contiguous torch tensor on this communicator's device (or a CUDA array exposing
         ``__cuda_array_interface__``, e.g. CuPy, on the current CuPy stream), of dtype float32, float16,
-        bfloat16 or int32, at most ``capacity_bytes`` large. ``op`` is "sum", "avg", "max", "min" or a
+        bfloat16 or int32, of any size (calls larger than ``capacity_bytes``, int32 half of it, go as several
+        pieces). ``op`` is "sum", "avg", "max", "min" or a
         ``torch.distributed.ReduceOp`` of those. On CUDA the call is enqueued on the current stream and
         returns at once; a peer fault it meets is raised by the next call or by :meth:`synchronize`.
 
-        A bad dtype, op or size is refused with the communicator left usable (every rank refuses alike). A
+        A bad dtype or op is refused with the communicator left usable (every rank refuses alike). A
         problem only this rank can see (device, layout, ``out``) is refused too, but the peers have started
         the call already: the communicator faults, they are told, and every later call raises.
         """
