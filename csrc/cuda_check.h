@@ -1,4 +1,7 @@
-// CUDA runtime error checks that throw (never exit), naming the call and where it failed.
+// CUDA runtime error checks that throw (never exit), naming the call and where it failed. A failed call also
+// leaves its error as the runtime's "last error", which torch reads after its own kernel launches: the check
+// takes it back (cudaGetLastError), so that a refused communicator (say, out of memory) does not make the
+// caller's next, unrelated kernel launch raise. Sticky errors (a faulted context) stay, as they must.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,8 +13,10 @@
 #define ROCENANTE_CHECK_CUDA(call)                                                                   \
   do {                                                                                               \
     const cudaError_t rocenante_err_ = (call);                                                       \
-    if (rocenante_err_ != cudaSuccess)                                                               \
+    if (rocenante_err_ != cudaSuccess) {                                                             \
+      (void)cudaGetLastError();                                                                      \
       ROCENANTE_THROW(Error, std::string(#call) + " failed: " + cudaGetErrorString(rocenante_err_)); \
+    }                                                                                                \
   } while (0)
 
 namespace rocenante {

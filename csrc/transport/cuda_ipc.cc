@@ -1,5 +1,6 @@
 // CUDA IPC transport: each rank's receive region is one cudaMalloc allocation that every peer on the host
 // maps with cudaIpcOpenMemHandle, so the kernel's stores to a peer travel over NVLink/NVSwitch (or PCIe P2P).
+#include <cudaTypedefs.h>  // the driver's function types (PFN_*): its functions are reached without linking libcuda
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -26,17 +27,34 @@ void fill_initial(uint32_t* region, size_t bytes) {
   }
 }
 
+// Bytes from `p` to the end of the allocation that holds it, as the driver's cuMemGetAddressRange tells. The
+// runtime hands out the driver function (CUDA >= 12.5), so the extension still links only the runtime and
+// imports on machines without a driver.
+size_t bytes_to_allocation_end(void* p) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  // 12000: the function as CUDA 12.0 defines it (cuMemGetAddressRange_v2, sizes in size_t).
+  ROCENANTE_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+    ROCENANTE_THROW(Error, "the CUDA driver does not provide cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  const CUresult err = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(fn)(&base, &bytes, CUdeviceptr(p));
+  if (err != CUDA_SUCCESS) ROCENANTE_THROW(Error, "cuMemGetAddressRange failed: CUresult " + std::to_string(int(err)));
+  return size_t(base + bytes - CUdeviceptr(p));
+}
+
 class CudaIpcTransport final : public Transport {
  public:
   CudaIpcTransport(int rank, int device, const RegionLayout& layout)
-      : rank_(rank), device_(device), regions_(layout.world, nullptr) {
+      : rank_(rank), device_(device), region_bytes_(layout.region_bytes()), regions_(layout.world, nullptr) {
     DeviceGuard guard(device_);
     try {
       void* p = nullptr;
-      ROCENANTE_CHECK_CUDA(cudaMalloc(&p, layout.region_bytes()));
+      ROCENANTE_CHECK_CUDA(cudaMalloc(&p, region_bytes_));
       regions_[rank_] = static_cast<uint32_t*>(p);
       // Synchronous copies: the region is empty before any peer learns our handle.
-      fill_initial(regions_[rank_], layout.region_bytes());
+      fill_initial(regions_[rank_], region_bytes_);
       ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
       ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
       ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
@@ -70,11 +88,20 @@ class CudaIpcTransport final : public Transport {
       std::memcpy(&h, handles[p].data(), sizeof(h));
       void* mapped = nullptr;
       const cudaError_t err = cudaIpcOpenMemHandle(&mapped, h, cudaIpcMemLazyEnablePeerAccess);
-      if (err != cudaSuccess)
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();  // the error is ours to report, not the caller's next launch check's (cuda_check.h)
         ROCENANTE_THROW(Error, "cannot map rank " + std::to_string(p) + "'s GPU memory into device " +
                                    std::to_string(device_) + " over CUDA IPC: " + cudaGetErrorString(err) +
                                    " (peers must share a host and have peer access)");
-      regions_[p] = static_cast<uint32_t*>(mapped);
+      }
+      regions_[p] = static_cast<uint32_t*>(mapped);  // from here on release() unmaps it, also if the check below fails
+      // The handle may name any allocation of the peer's (a bug, another program, another version): the kernel
+      // writes a whole region into it, so a smaller one would take writes past its end.
+      const size_t mapped_bytes = bytes_to_allocation_end(mapped);
+      if (mapped_bytes < region_bytes_)
+        ROCENANTE_THROW(Error, "rank " + std::to_string(p) + "'s CUDA IPC handle maps an allocation of " +
+                                   std::to_string(mapped_bytes) + " bytes, smaller than the " +
+                                   std::to_string(region_bytes_) + " bytes of a region of this communicator; refused");
     }
   }
 
@@ -110,6 +137,7 @@ class CudaIpcTransport final : public Transport {
 
   int rank_;
   int device_;
+  size_t region_bytes_;
   cudaIpcMemHandle_t handle_{};
   std::vector<uint32_t*> regions_;
   cudaStream_t abort_stream_ = nullptr;
