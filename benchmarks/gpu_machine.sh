@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
 #   benchmarks/gpu_machine.sh OUTDIR [tests|bench|all] [extra benchmark arguments...]
-# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times),
-# OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log. ROCENANTE_PYTEST_ARGS adds pytest arguments (e.g. -k).
+# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times, soak
+# and leak figures), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log. ROCENANTE_PYTEST_ARGS adds pytest
+# arguments, split at spaces (e.g. '-k (gpu_soak)or(gpu_hostile)' for tests/test_gpu_{soak,hostile}.py alone).
+# The log shows what passed tests printed (-rP): the soak's count and time, the leak probes' values.
 set -uo pipefail
 out=${1:?usage: gpu_machine.sh OUTDIR [tests|bench|all] [bench args...]}
 what=${2:-all}
@@ -20,7 +22,7 @@ python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_
   > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 status=0
 if [[ $what == tests || $what == all ]]; then
-  (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rs -m gpu "$OLDPWD/tests" \
+  (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rsP -m gpu "$OLDPWD/tests" \
      --junitxml="$out/gpu-tests.xml" ${ROCENANTE_PYTEST_ARGS:-}) 2>&1 | tee "$out/gpu-tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi

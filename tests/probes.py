@@ -1,0 +1,58 @@
+"""What a GPU process holds, for the leak checks of tests/test_gpu_soak.py and tests/test_gpu_hostile.py."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+# Free device memory may drop by this much without counting as a leak: cudaMalloc serves small allocations (a
+# kernel's 1 KiB of state) from pools that the driver grows in 2 MiB pages and may keep. A leaked region is
+# 32 MiB or more at world 2 and the 4 MiB default capacity.
+FREE_BYTES_TOLERANCE = 4 << 20
+
+
+def gpu_probe(device) -> dict:
+    """Open fds, /dev/shm entries, memory maps (and those of nvidia or uverbs devices), RSS, and the device's
+    free memory, once the device is idle."""
+    torch.cuda.synchronize(device)
+    with open("/proc/self/maps") as f:
+        maps = f.read().splitlines()
+    with open("/proc/self/status") as f:
+        rss_kib = int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "shm": sorted(os.listdir("/dev/shm")),
+        "device_maps": sum("nvidia" in line or "uverbs" in line for line in maps),
+        "maps": len(maps),
+        "free_bytes": torch.cuda.mem_get_info(device)[0],
+        "rss_kib": rss_kib,
+    }
+
+
+def leaks(before: dict, after: dict) -> list[str]:
+    """What grew from `before` to `after` beyond the tolerances, in words (empty: nothing)."""
+    found = []
+    if after["fds"] > before["fds"]:
+        found.append(f"open fds {before['fds']} -> {after['fds']}")
+    new = sorted(set(after["shm"]) - set(before["shm"]))
+    if new:
+        found.append(f"new /dev/shm entries {new}")
+    if after["device_maps"] > before["device_maps"]:
+        found.append(f"nvidia/uverbs mappings {before['device_maps']} -> {after['device_maps']}")
+    lost = before["free_bytes"] - after["free_bytes"]
+    if lost > FREE_BYTES_TOLERANCE:
+        found.append(f"free device memory fell by {lost} bytes (tolerance {FREE_BYTES_TOLERANCE})")
+    return found
+
+
+def figures(probe: dict) -> dict:
+    """The probe as numbers (the /dev/shm entries counted), for the log and $ROCENANTE_TEST_FIGURES."""
+    return {k: len(v) if k == "shm" else v for k, v in probe.items()}
+
+
+def summary(before: dict, after: dict) -> str:
+    """The probes' values before -> after, for the log."""
+    b, a = figures(before), figures(after)
+    return ", ".join(f"{k} {b[k]} -> {a[k]}" for k in b)
