@@ -84,9 +84,10 @@ class CheckedCalls:
             for i, (_, d, _) in enumerate(calls):
                 if d == dtype:
                     valid[self.windows[i][0] : self.windows[i][1]] = True
+            row = -(-cursor // align) * align  # every rank's row of inputs starts on a 16-byte boundary too
             self.buffers[dtype] = {
                 "groups": groups,
-                "inputs": torch.empty((self.world, cursor), dtype=dtype, device=device),
+                "inputs": torch.empty((self.world, row), dtype=dtype, device=device),
                 "out": torch.empty(cursor, dtype=dtype, device=device),
                 "want": torch.empty(cursor, dtype=dtype, device=device),
                 "valid": valid.to(device),  # the gaps between windows are no call's output
