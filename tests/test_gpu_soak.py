@@ -163,7 +163,7 @@ SOAK_GRAPHS = 8
 SOAK_CALLS_PER_GRAPH = 125
 SOAK_ROUNDS = 1000  # each graph replayed this often: 8 x 125 x 1000 = 1,000,000 calls
 SOAK_CAPACITY = 4 << 20  # the default threshold (python/rocenante/_env.py)
-SOAK_SAMPLE_EVERY = 100  # rounds between host checks of one call per graph against float64
+SOAK_SAMPLE_EVERY = 100  # rounds between host checks of two calls per graph against float64
 
 
 def _soak(store, rank, world, seed):
@@ -189,9 +189,14 @@ def _soak(store, rank, world, seed):
         if (r + 1) % SOAK_SAMPLE_EVERY == 0:
             sample_start = time.monotonic()
             torch.cuda.synchronize(dev)
-            for checked, _ in soaks:
-                checked.check_on_host((r * 7) % SOAK_CALLS_PER_GRAPH)
-                sampled += 1
+            c = r // SOAK_SAMPLE_EVERY
+            for g, (checked, _) in enumerate(soaks):
+                sample = [(17 * (2 * c + j) + g) % SOAK_CALLS_PER_GRAPH for j in range(2)]
+                if c == 0 and g == 0:
+                    sample += range(2 * len(DTYPES))  # the extremes
+                for i in sample:
+                    checked.check_on_host(i)
+                sampled += len(sample)
             sample_s += time.monotonic() - sample_start
     torch.cuda.synchronize(dev)
     comm.synchronize()
