@@ -8,8 +8,8 @@ import re
 import torch
 
 # Free device memory may drop by this much without counting as a leak: cudaMalloc serves small allocations (a
-# kernel's 1 KiB of state) from pools that the driver grows in 2 MiB pages and may keep. A leaked region is
-# 32 MiB or more at world 2 and the 4 MiB default capacity.
+# kernel's 1 KiB of state) from pools that the driver grows in 2 MiB pages and may keep. A leaked region holds
+# several times the capacity (protocol v2 at world 2 and the 4 MiB default: 3 x 4 MiB).
 FREE_BYTES_TOLERANCE = 4 << 20
 
 

@@ -137,9 +137,9 @@ def _cudart():
     return rt
 
 
-IPC_CAPACITY = 1 << 20  # a region is then several MiB (2 or more slots x 2 ranks x 2 x capacity, + a header)
-SMALL_ALLOCATION = 1 << 20  # smaller than any region of that capacity
-LARGE_ALLOCATION = 64 << 20  # larger than any
+IPC_CAPACITY = 4 << 20  # a region holds several times the capacity (protocol v2, world 2: 3 x 4 MiB + 512 B)
+SMALL_ALLOCATION = 1 << 20  # smaller than a region of that capacity (and than the 2 MiB the driver may round to)
+LARGE_ALLOCATION = 64 << 20  # larger than one
 
 
 def _small_peer_allocation(store, rank, world):
@@ -197,8 +197,8 @@ def test_a_peer_allocation_smaller_than_a_region_is_refused_naming_the_peer_and_
 
 
 FAILED_BUILDS = 20
-FAILURE_CAPACITY = 32 << 20  # a region of 4 x 2 x 32 MiB = 256 MiB or more at world 2
-LEFT_FREE = 96 << 20  # device memory left free: enough for the kernel's state, not for a region
+FAILURE_CAPACITY = 128 << 20  # the largest: a region of several times that (protocol v2, world 2: 384 MiB)
+LEFT_FREE = 96 << 20  # device memory left free (up to 62 MiB more): enough for the kernel's state, not a region
 
 
 def _builds_without_memory(store, rank, world, attempts):
