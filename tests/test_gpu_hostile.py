@@ -191,7 +191,7 @@ def test_a_peer_allocation_smaller_than_a_region_is_refused_naming_the_peer_and_
     mapped, needed = int(found.group(1)), int(found.group(2))
     assert SMALL_ALLOCATION <= mapped < needed, message
     record_figure("gpu_small_ipc_allocation_mapped_bytes", mapped)
-    record_figure("gpu_region_bytes_capacity_1MiB_world2", needed)
+    record_figure("gpu_region_bytes_capacity_4MiB_world2", needed)
     print(f"ipc size check: a {SMALL_ALLOCATION} B allocation: {message}; a {LARGE_ALLOCATION} B one: accepted",
           file=sys.stderr)
 
