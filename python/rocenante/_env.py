@@ -17,7 +17,7 @@ DEFAULT_CAPACITY_BYTES = 4 << 20
 # 16 MiB (68 us against 83) and behind from 32 MiB. Worlds 3-8 are NOT YET MEASURED: a one-shot moves world/2
 # times a ring's bytes, so the crossover is taken to shrink in proportion, 32 MiB / world (8 MiB at 4, 4 MiB
 # at 8). CPU: gloo is not measured past 1 MiB; 4 MiB.
-GPU_THRESHOLD_AT_WORLD_2 = 16 << 20
+GPU_THRESHOLD_AT_WORLD_2 = 32 << 20
 CPU_THRESHOLD_BYTES = 4 << 20
 
 
@@ -62,7 +62,7 @@ def threshold_bytes(device_type: str, world: int) -> int:
     if device_type == "cpu":
         default = CPU_THRESHOLD_BYTES
     else:
-        default = GPU_THRESHOLD_AT_WORLD_2 if world <= 2 else (32 << 20) // world
+        default = GPU_THRESHOLD_AT_WORLD_2 if world <= 2 else (64 << 20) // world
     return _from_env("ROCENANTE_THRESHOLD_BYTES", int, default)
 
 
