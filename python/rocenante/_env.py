@@ -13,10 +13,10 @@ DEFAULT_TIMEOUT_S = 300.0
 # region holds 3 buffers x (world - 1) areas: 12 MiB at world 2, 84 MiB at world 8. Larger calls go as pieces.
 DEFAULT_CAPACITY_BYTES = 4 << 20
 # Largest all-reduce the backend sends to rocenante; larger ones go to NCCL. World 2 (2 x H200, bf16, CUDA
-# graph, benchmarks/results/h200x2-v2-bf16.json and h200x2-v2-bf16-large.json): rocenante is ahead of NCCL up to
-# 16 MiB (68 us against 83) and behind from 32 MiB. Worlds 3-8 are NOT YET MEASURED: a one-shot moves world/2
-# times a ring's bytes, so the crossover is taken to shrink in proportion, 32 MiB / world (8 MiB at 4, 4 MiB
-# at 8). CPU: gloo is not measured past 1 MiB; 4 MiB.
+# graph, benchmarks/results/h200x2-v2-bf16-large.json): rocenante is ahead of NCCL at 32 MiB (132 us against
+# 139) and behind at 64 MiB (261 against 255). Worlds 3-8 are NOT YET MEASURED: a one-shot moves world/2 times
+# a ring's bytes, so the crossover is taken to shrink in proportion, 64 MiB / world (16 MiB at 4, 8 MiB at 8).
+# CPU: gloo is not measured past 1 MiB; 4 MiB.
 GPU_THRESHOLD_AT_WORLD_2 = 32 << 20
 CPU_THRESHOLD_BYTES = 4 << 20
 
