@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import json
 import logging
-import socket
 import time
 
 import torch
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
-from rocenante import _env
+from rocenante import startup
 from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
 
 logger = logging.getLogger("rocenante")
@@ -90,14 +88,6 @@ class _Work(Work):
         return future
 
 
-def _agree(store, key: str, rank: int, size: int, mine: dict, timeout: datetime.timedelta) -> list[dict]:
-    """Every rank publishes `mine` under key; returns all ranks' entries, in rank order."""
-    store.set(f"{key}/{rank}", json.dumps(mine))
-    keys = [f"{key}/{r}" for r in range(size)]
-    store.wait(keys, timeout)
-    return [json.loads(store.get(k)) for k in keys]
-
-
 class RocenanteProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str):
         super().__init__(rank, size)
@@ -127,98 +117,20 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     # ---- startup self-test ----
 
     def _start(self, store, rank, size, device_type, timeout, group_name) -> None:
-        key = f"rocenante/selftest/{device_type}"
-        local = self._local_check(device_type, size)
-        local_threshold = local.get("threshold_bytes", 0)
-        checks = _agree(store, f"{key}/config", rank, size, local, timeout)
-        reason = self._disagreement(checks)
-        if reason is None:
-            comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
-            comm = None
-            try:
-                comm = Communicator(comm_store, rank, size, device=local["device"], name=group_name,
-                                    capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"])
-                self._run_self_test(comm, device_type, rank, size)
-                local = {"ok": True}
-            except Exception as err:  # any failure means fallback, for every rank
-                local = {"ok": False, "why": f"{type(err).__name__}: {err}"}
-                if comm is not None and not comm.closed:
-                    try:  # the peers may be inside a self-test call this rank will not make: tell them
-                        comm._refuse(f"the startup self-test ({local['why']})")
-                    except ValueError:
-                        pass
-            results = _agree(store, f"{key}/result", rank, size, local, timeout)
-            failed = [f"rank {r}: {x['why']}" for r, x in enumerate(results) if not x["ok"]]
-            if failed:
-                reason = "self-test failed: " + "; ".join(failed)
-                if comm is not None:
-                    comm.close()
-            else:
-                self._comms[device_type] = comm
+        exchange = startup.store_exchange(store, f"rocenante/selftest/{device_type}", rank, size, timeout)
+        comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
+        started = startup.open_agreed(exchange, comm_store, rank, size, device_type, group_name, device_type)
         fallback = "gloo" if device_type == "cpu" else "nccl"
         self._status[device_type] = {
-            "active": reason is None,
-            "reason": reason or "self-test passed on every rank",
-            "threshold_bytes": local_threshold if reason is None else 0,
+            "active": started.comm is not None,
+            "reason": started.why,
+            "threshold_bytes": started.threshold_bytes,
             "fallback": fallback,
         }
-        if reason is not None:
-            if _env.strict():
-                raise RuntimeError(f"rocenante ({device_type}): {reason} (ROCENANTE_STRICT=1)")
-            if rank == 0:
-                logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, reason)
-
-    @staticmethod
-    def _local_check(device_type: str, size: int) -> dict:
-        """What this rank can tell alone: its configuration, or why it cannot take part."""
-        entry = {"ok": True, "host": socket.gethostname()}
-        try:
-            if _env.disabled():
-                return {**entry, "ok": False, "why": "disabled by ROCENANTE_DISABLE=1"}
-            entry.update(capacity_bytes=_env.capacity_bytes(), timeout_s=_env.timeout_s(),
-                         threshold_bytes=_env.threshold_bytes(device_type, size))
-            if device_type == "cpu":
-                entry["device"] = "cpu"
-            else:
-                index = torch.cuda.current_device()
-                entry["device"] = f"cuda:{index}"
-                entry["gpu"] = str(torch.cuda.get_device_properties(index).uuid)
-        except Exception as err:
-            return {**entry, "ok": False, "why": f"{type(err).__name__}: {err}"}
-        return entry
-
-    @staticmethod
-    def _disagreement(checks: list[dict]) -> str | None:
-        failed = [f"rank {r}: {c['why']}" for r, c in enumerate(checks) if not c["ok"]]
-        if failed:
-            return "; ".join(failed)
-        hosts = {c["host"] for c in checks}
-        if len(hosts) > 1:
-            return f"ranks span {len(hosts)} hosts ({', '.join(sorted(hosts))}); rocenante needs one host"
-        gpus = [c.get("gpu") for c in checks]
-        if gpus[0] is not None and len(set(gpus)) < len(gpus):
-            shared = sorted({g for g in gpus if gpus.count(g) > 1})
-            ranks = [r for r, g in enumerate(gpus) if g in shared]
-            # One kernel per rank spins until every peer's data arrives: two ranks on one GPU would wait forever.
-            return f"ranks {ranks} share a GPU (call torch.cuda.set_device(local_rank) before init_process_group)"
-        for field in ("capacity_bytes", "threshold_bytes", "timeout_s"):
-            values = [c[field] for c in checks]
-            if len(set(values)) > 1:
-                return f"ranks disagree on {field}: {values}"
-        return None
-
-    @staticmethod
-    def _run_self_test(comm: Communicator, device_type: str, rank: int, size: int) -> None:
-        """A real all-reduce of known data (float32 and bfloat16, a tail that is not a whole chunk). Values stay
-        small integers (every sum <= 16 * 8 + 28 < 256), exact in bfloat16 for up to 8 ranks."""
-        device = comm.device
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (torch.arange(1000, dtype=torch.float32, device=device) % 17 + rank).to(dtype)
-            want = torch.arange(1000, dtype=torch.float32, device=device) % 17 * size + size * (size - 1) // 2
-            got = comm.all_reduce(x)
-            comm.synchronize()
-            if not torch.equal(got.float(), want):
-                raise RuntimeError(f"{device_type} self-test all-reduce of {dtype} gave a wrong result")
+        if started.comm is not None:
+            self._comms[device_type] = started.comm
+        elif rank == 0:
+            logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, started.why)
 
     # ---- collectives ----
 
