@@ -94,3 +94,8 @@ def disabled() -> bool:
 def strict() -> bool:
     """ROCENANTE_STRICT=1: the backend raises instead of falling back when its startup self-test fails."""
     return _flag("ROCENANTE_STRICT")
+
+
+def vllm() -> bool:
+    """ROCENANTE_VLLM=1: the vLLM plugin (rocenante.vllm) makes vLLM build rocenante's communicator."""
+    return _flag("ROCENANTE_VLLM")

@@ -1,0 +1,42 @@
+"""RocenanteCudaCommunicator: what vLLM builds for its groups once the plugin is registered (ROCENANTE_VLLM=1).
+
+A CudaCommunicator in every respect (vLLM's graph_capture() requires one, and enters its backends' capture
+contexts), with the tensor-parallel group's eligible all-reduces on rocenante. rocenante needs no capture
+context: its kernel reads the caller's tensor in place and keeps its call numbers on the GPU, so captured
+calls replay correctly on any tensor, and calls from the capture stream are ordered after earlier ones on
+other streams by rocenante itself. Imports vLLM: only loaded through the plugin.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+from vllm.logger import init_logger
+
+from rocenante.vllm.router import AllReduceRouter
+
+logger = init_logger("vllm.rocenante")
+
+
+class RocenanteCudaCommunicator(CudaCommunicator):
+    def __init__(self, cpu_group, device=None, device_group=None, unique_name: str = "", *args, **kwargs):
+        super().__init__(cpu_group, device, device_group, unique_name, *args, **kwargs)
+        self.rocenante = AllReduceRouter(None, "the group has one rank")
+        if self.world_size > 1:
+            self.rocenante = AllReduceRouter.start(self.cpu_group, self.device, unique_name)
+            # Beside vLLM's own line ("Using [...] all-reduce backends (in dispatch order) for group ..."), which
+            # super().__init__ has just logged: when active, rocenante comes first in that order.
+            if self.rocenante.active:
+                logger.info_once("Using rocenante all-reduce ahead of those backends for group '%s': %s.",
+                                 unique_name, self.rocenante.describe(), scope="global")
+            elif unique_name.split(":")[0] == "tp":
+                logger.warning_once("Not using rocenante all-reduce for group '%s' (ROCENANTE_VLLM=1): %s.",
+                                    unique_name, self.rocenante.why, scope="global")
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        out = self.rocenante.all_reduce(input_)
+        return out if out is not None else super().all_reduce(input_)
+
+    def destroy(self) -> None:
+        self.rocenante.close()
+        super().destroy()

@@ -1,0 +1,55 @@
+"""AllReduceRouter: which of a vLLM group's all-reduces rocenante serves. vLLM-free, so that it is tested where
+vLLM is not installed (tests/test_cpu_vllm.py, tests/test_gpu_plugins.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rocenante import startup
+from rocenante.communicator import _DTYPES, Communicator
+
+
+class AllReduceRouter:
+    """Serves the sum all-reduces of a vLLM tensor-parallel group ("tp", as vLLM's own one-shot backends) whose
+    dtype rocenante supports and whose size is within the capacity; returns None for the others, which the
+    caller sends to vLLM's backends. Whether rocenante runs at all is agreed by every rank at start()."""
+
+    def __init__(self, comm: Optional[Communicator], why: str):
+        self.comm = comm
+        self.why = why
+
+    @classmethod
+    def start(cls, cpu_group, device: torch.device, unique_name: str) -> "AllReduceRouter":
+        """Collective over `cpu_group` (vLLM's gloo group of the communicator's ranks) for a tensor-parallel
+        group; for any other group nothing happens and no rank waits."""
+        if unique_name.split(":")[0] != "tp":
+            return cls(None, f"group {unique_name!r} is not tensor-parallel")
+        rendezvous = startup.rendezvous_on_group(cpu_group, "vllm")
+        comm, why = startup.open_agreed(rendezvous.exchange, rendezvous.store, rendezvous.rank, rendezvous.size,
+                                        device, f"vllm-{unique_name}", f"vLLM group {unique_name!r}")
+        return cls(comm, why)
+
+    @property
+    def active(self) -> bool:
+        return self.comm is not None
+
+    def all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sum over the group's ranks, as a new tensor; None when rocenante does not serve this call. Only
+        what every rank shares (dtype, size) decides; a tensor on another device than the communicator's is
+        refused by the communicator, which faults every rank naming it (never a different path on one rank)."""
+        comm = self.comm
+        if comm is None or x.dtype not in _DTYPES or not 0 < x.numel() * x.element_size() <= comm.capacity_bytes:
+            return None
+        return comm.all_reduce(x if x.is_contiguous() else x.contiguous())
+
+    def describe(self) -> str:
+        """What rocenante serves, for the log line."""
+        return (f"sum all-reduces of float32, float16, bfloat16 and int32 up to {self.comm.capacity_bytes} bytes "
+                f"({self.why})")
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None

@@ -1,0 +1,204 @@
+"""The vLLM plugin on CPU processes: the router (vLLM-free) against the reference; and, where vLLM is installed
+(it is not in CI: see README), its plugin loader finding the entry point, register() patching the platform's
+communicator factory (or saying why not), and RocenanteCudaCommunicator routing within vLLM's real class."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from multiproc import expect_ok, run_ranks
+from reference import make_input, sequential_fp32
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _init(store, rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
+    return dist.group.WORLD
+
+
+def _router(store, rank, world, disable_on):
+    from rocenante.vllm.router import AllReduceRouter
+
+    if rank == disable_on:
+        os.environ["ROCENANTE_DISABLE"] = "1"
+    group = _init(store, rank, world)
+    other = AllReduceRouter.start(group, torch.device("cpu"), "pp:0")  # no collective: a rank may skip it
+    assert not other.active and "not tensor-parallel" in other.why
+    router = AllReduceRouter.start(group, torch.device("cpu"), "tp:0")
+    if not router.active:
+        return router.why
+    inputs = [make_input(5, 0, r, 4 * 1000, torch.bfloat16).view(4, 1000) for r in range(world)]
+    got = router.all_reduce(inputs[rank])
+    assert torch.equal(got, sequential_fp32([x.flatten() for x in inputs], "sum").view(4, 1000))
+    strided = inputs[rank].t()  # not contiguous: served, on a contiguous copy
+    assert torch.equal(router.all_reduce(strided), got.t())
+    assert router.all_reduce(torch.ones(3, dtype=torch.float64)) is None  # dtype: vLLM's backends
+    assert router.all_reduce(torch.ones(router.comm.capacity_bytes // 4 + 1)) is None  # size: vLLM's backends
+    router.close()
+    return router.why
+
+
+def test_router_serves_eligible_all_reduces():
+    for why in expect_ok(run_ranks(2, _router, None, timeout=240)):
+        assert why == "self-test passed on every rank"
+
+
+def test_router_off_on_every_rank_when_one_rank_is_disabled():
+    for why in expect_ok(run_ranks(2, _router, 1, timeout=240)):
+        assert why == "rank 1: disabled by ROCENANTE_DISABLE=1"
+
+
+def _python(env: dict, *parts: str) -> subprocess.CompletedProcess:
+    """Runs the parts (each dedented) as one program in a fresh interpreter."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + env.pop("PYTHONPATH", ""), **env}
+    code = "\n".join(textwrap.dedent(p) for p in parts)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_register_without_the_variable_imports_nothing():
+    out = _python({"ROCENANTE_VLLM": "0"}, """
+        import sys, rocenante.vllm
+        rocenante.vllm.register()
+        print('vllm' in sys.modules)
+    """)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_pyproject_declares_the_entry_point():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"rocenante": "rocenante.vllm:register"}
+
+
+# ---- against vLLM's own modules (skipped where vLLM is not installed) ----
+
+vllm_needed = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import vllm.plugins"], capture_output=True).returncode != 0,
+    reason="vLLM is not installed (its wheel needs a CUDA torch; see README 'vLLM' for the venv the tests ran in)")
+
+# A platform that builds vLLM's CudaCommunicator, as CudaPlatform does (which needs libcuda to import).
+FAKE_CUDA_PLATFORM = """
+    import vllm.platforms
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    class FakeCudaPlatform(Platform):
+        _enum = PlatformEnum.CUDA
+        device_name = device_type = "cuda"
+
+        @classmethod
+        def get_device_communicator_cls(cls):
+            return "vllm.distributed.device_communicators.cuda_communicator.CudaCommunicator"
+
+    vllm.platforms._current_platform = FakeCudaPlatform()
+"""
+
+
+@vllm_needed
+def test_vllm_plugin_loader_finds_the_entry_point_and_the_factory_returns_ours(tmp_path):
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        points = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    # The entry point as an installed rocenante declares it (pip install . writes the same file).
+    info = tmp_path / "rocenante-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rocenante\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+    out = _python({"PYTHONPATH": str(tmp_path), "ROCENANTE_VLLM": "1"}, FAKE_CUDA_PLATFORM, """
+        import logging, vllm.plugins
+        from vllm.platforms import current_platform
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+        found = vllm.plugins.load_plugins_by_group(vllm.plugins.DEFAULT_PLUGINS_GROUP)
+        print("found", "rocenante" in found, found["rocenante"].__module__, found["rocenante"].__name__)
+        vllm.plugins.load_general_plugins()
+        name = current_platform.get_device_communicator_cls()
+        cls = resolve_obj_by_qualname(name)
+        print("factory", name, issubclass(cls, CudaCommunicator))
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "found True rocenante.vllm register" in out.stdout, out.stdout
+    assert "factory rocenante.vllm.communicator.RocenanteCudaCommunicator True" in out.stdout, out.stdout
+
+
+@vllm_needed
+@pytest.mark.parametrize("case", ["not cuda", "no hook"])
+def test_register_says_why_it_does_nothing(case):
+    setup = [] if case == "not cuda" else [  # "no hook": another vLLM, whose platforms lack the method
+        FAKE_CUDA_PLATFORM, "del FakeCudaPlatform.get_device_communicator_cls, Platform.get_device_communicator_cls"]
+    env = {"ROCENANTE_VLLM": "1", "VLLM_TARGET_DEVICE": "cpu" if case == "not cuda" else ""}
+    out = _python(env, *setup, """
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        import rocenante.vllm
+        rocenante.vllm.register()
+        from vllm.platforms import current_platform
+        print("patched", getattr(type(current_platform), "get_device_communicator_cls", lambda: None)()
+              == rocenante.vllm.COMMUNICATOR)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "patched False" in out.stdout
+    want = "has no platform get_device_communicator_cls" if case == "no hook" else "not vLLM's CudaCommunicator"
+    assert want in out.stderr and "the rocenante plugin does nothing" in out.stderr, out.stderr[-3000:]
+
+
+def _subclass(store, rank, world):
+    """RocenanteCudaCommunicator in vLLM's real class hierarchy, with CudaCommunicator's constructor and
+    all_reduce (which need CUDA and NCCL) replaced by CPU stand-ins."""
+    import logging
+
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    records = []
+    logging.getLogger("vllm.rocenante").addHandler(logging.Handler())
+    logging.getLogger("vllm.rocenante").handlers[-1].emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("vllm.rocenante").setLevel(logging.INFO)
+
+    def init(self, cpu_group, device=None, device_group=None, unique_name="", **kw):
+        self.cpu_group, self.device, self.unique_name = cpu_group, device, unique_name
+        self.world_size, self.rank = dist.get_world_size(cpu_group), dist.get_rank(cpu_group)
+        self.parent_calls = 0
+
+    def parent_all_reduce(self, x):
+        self.parent_calls += 1
+        out = x.clone()
+        dist.all_reduce(out, group=self.cpu_group)
+        return out
+
+    CudaCommunicator.__init__, CudaCommunicator.all_reduce = init, parent_all_reduce
+    CudaCommunicator.destroy = lambda self: None
+    from rocenante.vllm.communicator import RocenanteCudaCommunicator
+
+    group = _init(store, rank, world)
+    comm = RocenanteCudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group,
+                                     unique_name="tp:0", use_all2all=False)
+    x = torch.full((8, 64), float(rank + 1), dtype=torch.bfloat16)
+    small = comm.all_reduce(x)
+    calls_after_small = comm.parent_calls
+    big = comm.all_reduce(torch.ones(comm.rocenante.comm.capacity_bytes // 4 + 1))
+    comm.destroy()
+    assert torch.equal(small, torch.full_like(x, world * (world + 1) / 2)) and torch.equal(big, torch.full_like(big, world))
+    return calls_after_small, comm.parent_calls, records
+
+
+@vllm_needed
+def test_our_communicator_routes_within_vllms_class():
+    results = expect_ok(run_ranks(2, _subclass, timeout=240))
+    for small_calls, all_calls, _ in results:
+        assert (small_calls, all_calls) == (0, 1)  # the small one on rocenante, the big one on vLLM's backends
+    records = results[0][2]  # vLLM logs "global" lines once, on the first rank
+    assert any("Using rocenante all-reduce ahead of those backends for group 'tp:0': sum all-reduces" in r
+               for r in records), records
