@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
-#   benchmarks/gpu_machine.sh OUTDIR [tests|bench|all] [extra benchmark arguments...]
+#   benchmarks/gpu_machine.sh OUTDIR [tests|bench|fusion|all] [extra benchmark arguments...]
 # Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times, soak
-# and leak figures), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log. ROCENANTE_PYTEST_ARGS adds pytest
-# arguments, split at spaces (e.g. '-k (gpu_soak)or(gpu_hostile)' for tests/test_gpu_{soak,hostile}.py alone).
+# and leak figures), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log, OUTDIR/fusion.json and
+# OUTDIR/fusion.log (benchmarks/fusion_bench.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces
+# (e.g. '-k (gpu_soak)or(gpu_hostile)' for tests/test_gpu_{soak,hostile}.py alone).
 # The log shows what passed tests printed (-rP): the soak's count and time, the leak probes' values.
 set -uo pipefail
-out=${1:?usage: gpu_machine.sh OUTDIR [tests|bench|all] [bench args...]}
+out=${1:?usage: gpu_machine.sh OUTDIR [tests|bench|fusion|all] [bench args...]}
 what=${2:-all}
 shift $(( $# >= 2 ? 2 : 1 ))
 mkdir -p "$out"
@@ -28,6 +29,10 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   (cd /tmp && python3 -m rocenante.bench --out "$out/bench.json" "$@") 2>&1 | tee "$out/bench.log" | tail -60
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ $what == fusion || $what == all ]]; then
+  (cd /tmp && python3 "$OLDPWD/benchmarks/fusion_bench.py" --out "$out/fusion.json") 2>&1 | tee "$out/fusion.log" | tail -20
   status=$(( status || PIPESTATUS[0] ))
 fi
 exit $status

@@ -1,0 +1,198 @@
+"""All-reduce + residual add + RMSNorm (FlashInfer's kARResidualRMSNorm) at decode shapes, to decide whether
+fusing the add and the norm into rocenante's kernel is worth it (issue: fuse if that beats all-reduce followed
+by torch's ops by 10% or more at tokens <= 64, hidden 4096-8192).
+
+    python benchmarks/fusion_bench.py [--out benchmarks/results/h200x2-fusion.json] [-n RANKS]
+
+Arms, interleaved round after round (as python -m rocenante.bench), each a CUDA graph of `ops` calls:
+  rocenante_allreduce             the all-reduce alone (comm.all_reduce into a preallocated output)
+  rocenante_allreduce_rmsnorm     rocenante.flashinfer.allreduce_fusion(kARResidualRMSNorm): all-reduce, then
+                                  the residual add and RMSNorm as torch ops (what ships today)
+  torch_add_rmsnorm               those torch ops alone, no communication: the most a fused kernel can save
+  nccl_allreduce_rmsnorm          NCCL's all-reduce, then the same torch ops
+A fused kernel costs at least rocenante_allreduce, so fusing can gain at most
+torch_add_rmsnorm / rocenante_allreduce_rmsnorm; below 10% it cannot reach the issue's bar. Writes JSON of
+schema rocenante.bench/1 (rows: arm, mode, dtype, bytes, median_us, p10_us, p90_us, tokens, hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+TOKENS = [1, 2, 4, 8, 16, 32, 64]
+HIDDENS = [4096, 8192]
+EPS = 1e-6
+
+
+class FusionArm:
+    """One way of computing (residual_out, norm_out) from this rank's partial sum, for runner.Measurement:
+    prepare() builds the tensors of one (tokens, hidden), call() runs once."""
+
+    def __init__(self, name, ctx):
+        self.name, self.ctx = name, ctx
+        self.hidden = None
+
+    def prepare(self, numel, dtype):
+        device = self.ctx["device"]
+        shape = (numel // self.hidden, self.hidden)
+        self.residual = torch.randn(shape, device=device).to(dtype)
+        self.gamma = torch.randn(self.hidden, device=device).to(dtype)
+        self.residual_out, self.norm_out = torch.empty_like(self.residual), torch.empty_like(self.residual)
+        x = torch.randn(shape, device=device).to(dtype)
+        return x, torch.empty_like(x)
+
+    def call(self, x, y):
+        from rocenante.flashinfer import AllReduceFusionPattern, add_rmsnorm, allreduce_fusion
+
+        if self.name == "rocenante_allreduce":
+            self.ctx["workspace"].allreduce.all_reduce(x, out=y)
+        elif self.name == "rocenante_allreduce_rmsnorm":
+            allreduce_fusion(x, self.ctx["workspace"], AllReduceFusionPattern.kARResidualRMSNorm,
+                             residual_out=self.residual_out, norm_out=self.norm_out, residual_in=self.residual,
+                             rms_gamma=self.gamma, rms_eps=EPS)
+        elif self.name == "torch_add_rmsnorm":
+            add_rmsnorm(x, self.residual, self.gamma, EPS, 0.0, self.residual_out, self.norm_out)
+        else:  # nccl_allreduce_rmsnorm
+            y.copy_(x)  # out of place, as the fused pattern (the copy is part of what NCCL's arm costs)
+            dist.all_reduce(y, group=self.ctx["nccl"])
+            add_rmsnorm(y, self.residual, self.gamma, EPS, 0.0, self.residual_out, self.norm_out)
+
+    def supports(self, nbytes, dtype):
+        return None
+
+
+def worker(store, rank, world, cfg):
+    from rocenante.bench.runner import Measurement, _percentile
+    from rocenante.flashinfer import create_allreduce_fusion_workspace
+
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    mode = "graph" if cuda else "eager"
+    dist.init_process_group("gloo", store=dist.PrefixStore("ctl", store), rank=rank, world_size=world)
+    control = dist.group.WORLD
+    nccl = dist.new_group(backend="nccl") if cuda else control  # CPU (a smoke test of this script): gloo
+    dtype = getattr(torch, cfg["dtype"])
+    workspace = create_allreduce_fusion_workspace("rocenante", world, rank, max(cfg["tokens"]), max(cfg["hiddens"]),
+                                                  dtype, group=control)
+    ctx = {"device": device, "workspace": workspace, "nccl": nccl}
+    arms = [FusionArm(name, ctx) for name in cfg["arms"]]
+    rows = []
+    for hidden in cfg["hiddens"]:
+        for tokens in cfg["tokens"]:
+            live = []
+            for arm in arms:
+                arm.hidden = hidden
+                live.append(Measurement(arm, tokens * hidden, dtype, mode, cfg["ops"]))  # graphs keep the arm's
+            samples = {m.arm.name: [] for m in live}
+            for rep in range(cfg["rounds"]):
+                for m in live[rep % len(live):] + live[: rep % len(live)]:
+                    dist.barrier(group=control)
+                    samples[m.arm.name].append(m.run())
+            gathered = [None] * world
+            dist.all_gather_object(gathered, samples, group=control)
+            for m in live:
+                per_round = [max(g[m.arm.name][i] for g in gathered) for i in range(cfg["rounds"])]
+                rows.append({"arm": m.arm.name, "mode": mode, "dtype": cfg["dtype"],
+                             "bytes": tokens * hidden * torch.empty((), dtype=dtype).element_size(),
+                             "count": tokens * hidden, "tokens": tokens, "hidden": hidden,
+                             "median_us": statistics.median(per_round), "p10_us": _percentile(per_round, 0.1),
+                             "p90_us": _percentile(per_round, 0.9), "ops_per_measurement": cfg["ops"],
+                             "measurements": len(per_round)})
+            del live
+            if cuda:
+                torch.cuda.synchronize()
+            if rank == 0:
+                print(f"  tokens {tokens:>3} hidden {hidden}: " + ", ".join(
+                    f"{r['arm']} {r['median_us']:.2f}" for r in rows[-len(arms):]) + " us", flush=True)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier(group=control)  # no rank frees what a peer may still be writing into
+    workspace.destroy()
+    dist.destroy_process_group()
+    return rows
+
+
+def _entry(store_path, rank, world, cfg, queue):
+    try:
+        queue.put((rank, worker(dist.FileStore(store_path, world), rank, world, cfg)))
+    except BaseException:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def summarize(rows):
+    """Per (hidden, tokens): the most fusing could gain, torch_add_rmsnorm / rocenante_allreduce_rmsnorm."""
+    by = {(r["hidden"], r["tokens"], r["arm"]): r["median_us"] for r in rows}
+    out = []
+    for hidden, tokens in sorted({(r["hidden"], r["tokens"]) for r in rows}):
+        unfused = by.get((hidden, tokens, "rocenante_allreduce_rmsnorm"))
+        ops = by.get((hidden, tokens, "torch_add_rmsnorm"))
+        if unfused and ops:
+            out.append({"hidden": hidden, "tokens": tokens, "unfused_us": unfused, "torch_ops_us": ops,
+                        "allreduce_us": by.get((hidden, tokens, "rocenante_allreduce")),
+                        "max_fusion_gain": ops / unfused})
+    return out
+
+
+def main(argv=None) -> int:
+    from rocenante.bench import provenance, report
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: eager calls on CPU processes, a smoke test of this script (not a measurement)")
+    p.add_argument("--out", default="benchmarks/results/fusion.json")
+    p.add_argument("--rounds", type=int, default=25)
+    p.add_argument("--ops", type=int, default=50, help="calls per CUDA graph")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--hiddens", default=",".join(map(str, HIDDENS)))
+    p.add_argument("--arms", default="rocenante_allreduce,rocenante_allreduce_rmsnorm,torch_add_rmsnorm,"
+                                      "nccl_allreduce_rmsnorm")
+    a = p.parse_args(argv)
+    world = a.ranks or (torch.cuda.device_count() if a.device == "cuda" else 2)
+    if world < 2 or (a.device == "cuda" and world > torch.cuda.device_count()):
+        p.error(f"needs 2..{torch.cuda.device_count()} ranks, one GPU each")
+    cfg = {"device": a.device, "rounds": a.rounds, "ops": a.ops, "dtype": a.dtype, "arms": a.arms.split(","),
+           "tokens": [int(t) for t in a.tokens.split(",")], "hiddens": [int(h) for h in a.hiddens.split(",")]}
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(store, r, world, cfg, queue)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get(timeout=1800) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    failed = {r: v["error"] for r, v in results.items() if isinstance(v, dict)}
+    if failed:
+        for r, err in sorted(failed.items()):
+            print(f"rank {r} failed:\n{err}", file=sys.stderr)
+        return 1
+    result = {"schema": report.SCHEMA, "provenance": provenance.collect(a.device), "world_size": world,
+              "config": cfg, "rows": results[0], "summary": summarize(results[0])}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    report.write_json(result, a.out)
+    print(f"\n{'hidden':>6} {'tokens':>6} {'allreduce':>10} {'unfused':>9} {'torch ops':>10} {'max gain':>9}")
+    for s in result["summary"]:
+        print(f"{s['hidden']:>6} {s['tokens']:>6} {s['allreduce_us'] or float('nan'):>10.2f} {s['unfused_us']:>9.2f} "
+              f"{s['torch_ops_us']:>10.2f} {s['max_fusion_gain']:>8.1%}")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""The serving-engine plugins on 2 GPUs, without FlashInfer or vLLM installed (the GPU machine has neither):
+rocenante.flashinfer's workspace face and both fusion patterns against the float64 reference, a CUDA graph
+around a transformer-like block that calls the plugin, and vLLM's graph_capture() driving our communicator
+(through a stand-in of vLLM's modules). A comparison with FlashInfer's own kernel runs only where FlashInfer
+is installed."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from multiproc import expect_ok, run_ranks
+from reference import digest, make_input, poison, sequential_fp32
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _init(store, rank, world):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
+    return dist.group.WORLD
+
+
+def _bound(got, want, scale, dtype, what):
+    """|got - want| <= 8 ulp(dtype) of scale, elementwise; no NaN (an unwritten, poisoned output)."""
+    eps = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), f"{what}: NaN (unwritten)"
+    worst = ((got - want).abs() / (8 * eps * (scale + 1e-3))).max().item()
+    assert worst <= 1.0, f"{what}: error {worst:.2f}x the bound for {dtype}"
+
+
+def _patterns(store, rank, world):
+    from rocenante.flashinfer import AllReduceFusionPattern as P
+    from rocenante.flashinfer import PcieIpcAllReduceWorkspace, allreduce_fusion, create_allreduce_fusion_workspace
+
+    group = _init(store, rank, world)
+    dev = torch.device("cuda", rank)
+    digests = []
+    # The PCIe-IPC face.
+    with PcieIpcAllReduceWorkspace(group, max_numel=64 * 8192) as ws:
+        inputs = [make_input(11, 0, r, 64 * 4096, torch.bfloat16, dev) for r in range(world)]
+        assert ws.supports(inputs[rank])
+        with pytest.raises(ValueError, match="workspace was built on"):
+            ws.supports(inputs[rank].cpu())
+        out = poison(torch.empty_like(inputs[rank]))
+        ws.all_reduce(inputs[rank], out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), sequential_fp32([x.cpu() for x in inputs], "sum"))
+        digests.append(digest(out))
+    # The unified pair, both patterns, decode shapes.
+    ws = create_allreduce_fusion_workspace("rocenante", world, rank, 64, 8192, torch.float32, group=group)
+    for case, (dtype, tokens, hidden, weight_bias) in enumerate(
+            [(d, t, h, wb) for d in DTYPES for t, h, wb in ((1, 4096, 0.0), (7, 8192, 1.0), (64, 4096, 0.0))]):
+        n = tokens * hidden
+        xs = [make_input(12, case, r, n, dtype, dev).view(tokens, hidden) for r in range(world)]
+        residual = make_input(13, case, 0, n, dtype, dev).view(tokens, hidden)
+        gamma = make_input(14, case, 0, hidden, dtype, dev)
+        out = poison(torch.empty_like(xs[rank]))
+        allreduce_fusion(xs[rank], ws, P.kAllReduce, output=out, launch_with_pdl=True)
+        summed = sequential_fp32([x.flatten().cpu() for x in xs], "sum").view(tokens, hidden)
+        residual_out, norm_out = poison(torch.empty_like(out)), poison(torch.empty_like(out))
+        allreduce_fusion(xs[rank], ws, P.kARResidualRMSNorm, residual_out=residual_out, norm_out=norm_out,
+                         residual_in=residual, rms_gamma=gamma, rms_eps=1e-6, weight_bias=weight_bias)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), summed), f"kAllReduce {dtype} {tokens}x{hidden}"
+        # FlashInfer's rounding points: the all-reduce rounded, the add in fp32 rounded once.
+        assert torch.equal(residual_out.cpu(), (summed.float() + residual.cpu().float()).to(dtype))
+        xs64 = torch.stack([x.double().cpu() for x in xs])
+        r64 = xs64.sum(0) + residual.double().cpu()
+        norm64 = r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * (gamma.double().cpu() + weight_bias)
+        _bound(residual_out, r64, xs64.abs().sum(0) + residual.double().cpu().abs(), dtype, "residual_out")
+        _bound(norm_out, norm64, norm64.abs() + 1, dtype, "norm_out")
+        digests += [digest(residual_out), digest(norm_out)]
+    ws.destroy()
+    return digests
+
+
+def test_workspace_face_and_both_patterns_against_float64():
+    a, b = expect_ok(run_ranks(2, _patterns, timeout=600))
+    assert a == b  # every output bitwise identical on both ranks
+
+
+def _block(store, rank, world):
+    """A transformer-like block, tensor-parallel over the ranks (column- then row-parallel linear layers; the
+    all-reduce fused with the residual add and RMSNorm, as vLLM's fusion pass emits it; a plain all-reduce at
+    the end), captured in a CUDA graph and replayed with new inputs. After each replay, every captured plugin
+    call is checked against the same call made eagerly on the replay's own inputs (bitwise) and against the
+    float64 reference computed from every rank's inputs."""
+    import torch.distributed as dist
+
+    from rocenante.flashinfer import AllReduceFusionPattern as P
+    from rocenante.flashinfer import allreduce_fusion, create_allreduce_fusion_workspace
+
+    group = _init(store, rank, world)
+    dev = torch.device("cuda", rank)
+    tokens, hidden, ffn, layers, dtype = 8, 4096, 2 * 4096 // world, 2, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(100 + rank)  # each rank's weight shards differ
+    w_up = [torch.randn(hidden, ffn, generator=g, device=dev, dtype=dtype) / hidden**0.5 for _ in range(layers)]
+    w_down = [torch.randn(ffn, hidden, generator=g, device=dev, dtype=dtype) / ffn**0.5 for _ in range(layers)]
+    gamma = [make_input(20, i, 0, hidden, dtype, dev).abs() + 0.5 for i in range(layers)]  # replicated
+    ws = create_allreduce_fusion_workspace("rocenante", world, rank, tokens, hidden, dtype, group=group)
+    static_h = torch.empty(tokens, hidden, device=dev, dtype=dtype)
+    static_res = torch.empty_like(static_h)
+
+    def block(h, residual):
+        """Returns every plugin call's (input, residual_in, residual_out, norm_out), then the last call's."""
+        steps = []
+        for i in range(layers):
+            partial = torch.relu(h @ w_up[i]) @ w_down[i]  # this rank's share of the layer's output
+            residual_out, norm_out = torch.empty_like(h), torch.empty_like(h)
+            allreduce_fusion(partial, ws, P.kARResidualRMSNorm, residual_out=residual_out, norm_out=norm_out,
+                             residual_in=residual, rms_gamma=gamma[i], rms_eps=1e-6, launch_with_pdl=True)
+            steps.append((partial, residual, residual_out, norm_out))
+            h, residual = norm_out, residual_out
+        last_in = h * (rank + 1)
+        return steps, (last_in, allreduce_fusion(last_in, ws, P.kAllReduce))
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        block(static_h.normal_(), static_res.normal_())
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps, (last_in, last_out) = block(static_h, static_res)
+    for replay in range(20):
+        static_h.copy_(make_input(21, replay, 0, tokens * hidden, dtype, dev).view(tokens, hidden))  # same on
+        static_res.copy_(make_input(22, replay, 0, tokens * hidden, dtype, dev).view(tokens, hidden))  # every rank
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (partial, residual_in, residual_out, norm_out) in enumerate(steps):
+            again_r, again_n = torch.empty_like(partial), torch.empty_like(partial)
+            allreduce_fusion(partial, ws, P.kARResidualRMSNorm, residual_out=again_r, norm_out=again_n,
+                             residual_in=residual_in, rms_gamma=gamma[i], rms_eps=1e-6)
+            torch.cuda.synchronize()
+            what = f"replay {replay} layer {i}"
+            assert torch.equal(again_r, residual_out) and torch.equal(again_n, norm_out), what
+            everyone = [None] * world
+            dist.all_gather_object(everyone, partial.cpu(), group=group)
+            r64 = torch.stack([p.double() for p in everyone]).sum(0) + residual_in.double().cpu()
+            scale = torch.stack([p.double().abs() for p in everyone]).sum(0) + residual_in.double().cpu().abs()
+            _bound(residual_out, r64, scale, dtype, f"{what} residual_out")
+            norm64 = r64 * torch.rsqrt(r64.square().mean(-1, keepdim=True) + 1e-6) * gamma[i].double().cpu()
+            _bound(norm_out, norm64, norm64.abs() + 1, dtype, f"{what} norm_out")
+        everyone = [None] * world
+        dist.all_gather_object(everyone, last_in.cpu(), group=group)
+        assert torch.equal(last_out.cpu(), sequential_fp32(everyone, "sum")), f"replay {replay} kAllReduce"
+    torch.cuda.synchronize()
+    result = digest(last_out)
+    del graph
+    dist.barrier(group=group)
+    ws.destroy()
+    return result
+
+
+def test_cuda_graph_of_a_transformer_like_block_replays_correctly():
+    a, b = expect_ok(run_ranks(2, _block, timeout=600))
+    assert a == b
+
+
+def _fake_vllm(module_names):
+    """Stand-ins for the vLLM modules rocenante.vllm.communicator imports (vLLM cannot be installed on the GPU
+    machine): a CudaCommunicator that all-reduces on its NCCL device group and has no backends of its own to
+    capture, and init_logger."""
+    import logging
+
+    import torch.distributed as dist
+
+    class CudaCommunicator:
+        def __init__(self, cpu_group, device=None, device_group=None, unique_name="", **kw):
+            self.cpu_group, self.device, self.device_group, self.unique_name = cpu_group, device, device_group, unique_name
+            self.world_size, self.rank = dist.get_world_size(cpu_group), dist.get_rank(cpu_group)
+            self.ca_comm = self.fi_pcie_ipc_ar_comm = None
+            self.parent_calls = 0
+
+        def all_reduce(self, input_):
+            self.parent_calls += 1
+            out = input_.clone()
+            dist.all_reduce(out, group=self.device_group)
+            return out
+
+        def destroy(self):
+            pass
+
+    def init_logger(name):
+        logger = logging.getLogger(name)
+        logger.info_once = lambda msg, *a, scope=None: logger.info(msg, *a)
+        logger.warning_once = lambda msg, *a, scope=None: logger.warning(msg, *a)
+        return logger
+
+    for name in module_names:
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["vllm.distributed.device_communicators.cuda_communicator"].CudaCommunicator = CudaCommunicator
+    sys.modules["vllm.logger"].init_logger = init_logger
+
+
+def _vllm_graph_capture(store, rank, world):
+    """vLLM 0.33.0's GroupCoordinator.graph_capture(), step by step: a new stream that waits for the current
+    one, the communicator's backends' capture() contexts (none here: rocenante needs none), then the model's
+    warm-up and capture on that stream; vLLM's all_reduce is out of place."""
+    import torch.distributed as dist
+
+    _fake_vllm(["vllm", "vllm.distributed", "vllm.distributed.device_communicators",
+                "vllm.distributed.device_communicators.cuda_communicator", "vllm.logger"])
+    from rocenante.vllm.communicator import RocenanteCudaCommunicator
+
+    cpu_group = _init(store, rank, world)
+    device_group = dist.new_group(backend="nccl")
+    dev = torch.device("cuda", rank)
+    comm = RocenanteCudaCommunicator(cpu_group, dev, device_group, "tp:0")
+    assert comm.rocenante.active, comm.rocenante.why
+    small = torch.empty(16, 4096, device=dev, dtype=torch.bfloat16)
+    big = torch.empty(comm.rocenante.comm.capacity_bytes // 4 + 1024, device=dev, dtype=torch.float32)
+
+    def model():
+        return comm.all_reduce(small * 2), comm.all_reduce(big)
+
+    small.copy_(make_input(30, 0, rank, small.numel(), small.dtype, dev).view_as(small))
+    big.fill_(rank + 1)
+    model()  # eager, on the default stream, as vLLM's profiling run
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        model()  # vLLM's warm-up runs on the capture stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out_small, out_big = model()
+    for replay in range(20):
+        per_rank = [make_input(31, replay, r, small.numel(), small.dtype) for r in range(world)]
+        small.copy_(per_rank[rank].view_as(small))
+        big.fill_(replay + rank)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = sequential_fp32([(x.view_as(small) * 2) for x in per_rank], "sum")
+        assert torch.equal(out_small.cpu(), want), f"replay {replay}: rocenante's all-reduce"
+        assert torch.equal(out_big, torch.full_like(big, world * replay + world * (world - 1) / 2)), f"replay {replay}"
+    calls = comm.parent_calls
+    del graph
+    torch.cuda.synchronize()
+    dist.barrier(group=cpu_group)
+    comm.destroy()
+    dist.destroy_process_group()
+    return calls
+
+
+def test_vllm_graph_capture_stand_in_drives_our_communicator():
+    # 3 parent calls per rank (eager, warm-up, capture), all for the tensor over rocenante's capacity.
+    assert expect_ok(run_ranks(2, _vllm_graph_capture, timeout=600)) == [3, 3]
+
+
+def _against_flashinfer(store, rank, world):
+    import flashinfer.comm as fi_comm
+
+    from rocenante.flashinfer import AllReduceFusionPattern as P
+    from rocenante.flashinfer import allreduce_fusion, create_allreduce_fusion_workspace
+
+    group = _init(store, rank, world)
+    dev = torch.device("cuda", rank)
+    tokens, hidden, dtype = 16, 4096, torch.bfloat16
+    ours = create_allreduce_fusion_workspace("rocenante", world, rank, tokens, hidden, dtype, group=group)
+    # Never "auto": it picks the multicast path, which must not be used on the GPU machine.
+    theirs = fi_comm.create_allreduce_fusion_workspace("trtllm", world, rank, tokens, hidden, dtype, group=group)
+    x = make_input(40, 0, rank, tokens * hidden, dtype, dev).view(tokens, hidden)
+    res = make_input(41, 0, 0, tokens * hidden, dtype, dev).view(tokens, hidden)
+    gamma = make_input(42, 0, 0, hidden, dtype, dev)
+    outs = []
+    for ws, fn in ((ours, allreduce_fusion), (theirs, fi_comm.allreduce_fusion)):
+        r, n = torch.empty_like(x), torch.empty_like(x)
+        fn(x, ws, P.kARResidualRMSNorm, residual_out=r, norm_out=n, residual_in=res, rms_gamma=gamma, rms_eps=1e-6,
+           fp32_acc=True)
+        outs.append((r, n))
+    torch.cuda.synchronize()
+    ours.destroy()
+    theirs.destroy()
+    (r0, n0), (r1, n1) = outs
+    return (r0.float() - r1.float()).abs().max().item(), (n0.float() - n1.float()).abs().max().item()
+
+
+def test_same_results_as_flashinfers_trtllm_kernel():
+    pytest.importorskip("flashinfer.comm", reason="FlashInfer is not installed (it is not on the GPU machine)")
+    for residual_diff, norm_diff in expect_ok(run_ranks(2, _against_flashinfer, timeout=600)):
+        # bf16: one rounding step of values of order 10 is 2^-4; the sums may round differently (rank order).
+        assert residual_diff <= 0.125 and norm_diff <= 0.125, (residual_diff, norm_diff)
