@@ -306,3 +306,28 @@ def _install(store, rank, world):
 def test_install_leaves_flashinfer_backends_untouched():
     pytest.importorskip("flashinfer.comm", reason="flashinfer-python is not installed")
     assert expect_ok(run_ranks(2, _install, timeout=240)) == [True, True]
+
+
+def _wrong_device_on_one_rank(store, rank, world):
+    import time
+
+    import rocenante
+    from rocenante.flashinfer import PcieIpcAllReduceWorkspace
+
+    group = _init(store, rank, world)
+    ws = PcieIpcAllReduceWorkspace(group, max_numel=1024, dtype=torch.float32)
+    x = torch.ones(1000, device="meta" if rank == 1 else "cpu")  # a bug only rank 1 can see
+    start = time.monotonic()
+    try:
+        ws.all_reduce(x)
+        raised = None
+    except (ValueError, rocenante.RocenanteError) as err:  # InvalidArgument is a ValueError
+        raised = (type(err).__name__, str(err))
+    return raised, time.monotonic() - start
+
+
+def test_a_tensor_on_the_wrong_device_on_one_rank_fails_every_rank_at_once():
+    (err0, t0), (err1, t1) = expect_ok(run_ranks(2, _wrong_device_on_one_rank, timeout=240))
+    assert err1[0] == "InvalidArgument" and "input is on meta but the workspace was built on cpu" in err1[1], err1
+    assert err0 is not None and "rank 1" in err0[1], err0
+    assert t0 < 30, f"rank 0 learned of it after {t0:.1f} s (its timeout is 300 s)"
