@@ -51,7 +51,7 @@ class RocenanteFusionWorkspace:
         self.allreduce.destroy()
 
 
-def _flashinfer_comm():
+def _flashinfer_defining_module():
     """FlashInfer's own unified pair, as FlashInfer defines them (never the patched names), or None."""
     try:
         from flashinfer.comm import allreduce as defining
@@ -67,7 +67,7 @@ def _pass_on(what: str):
     """FlashInfer's own function `what`, logged once per function; an error naming it without FlashInfer."""
     from rocenante.flashinfer import patch  # patch.py imports this module
 
-    defining = _flashinfer_comm()
+    defining = _flashinfer_defining_module()
     if defining is None:
         raise ValueError(f"{what}: this is not a rocenante backend or workspace, and FlashInfer is not installed "
                          "to serve it (pip install flashinfer-python)")
