@@ -42,7 +42,7 @@ def _router(store, rank, world, disable_on):
     strided = inputs[rank].t()  # not contiguous: served, on a contiguous copy
     assert torch.equal(router.all_reduce(strided), got.t())
     assert router.all_reduce(torch.ones(3, dtype=torch.float64)) is None  # dtype: vLLM's backends
-    assert router.all_reduce(torch.ones(router.comm.capacity_bytes // 4 + 1)) is None  # size: vLLM's backends
+    assert router.all_reduce(torch.ones(router.threshold_bytes // 4 + 1)) is None  # over the threshold: vLLM's backends
     router.close()
     return router.why
 
@@ -188,7 +188,7 @@ def _subclass(store, rank, world):
     x = torch.full((8, 64), float(rank + 1), dtype=torch.bfloat16)
     small = comm.all_reduce(x)
     calls_after_small = comm.parent_calls
-    big = comm.all_reduce(torch.ones(comm.rocenante.comm.capacity_bytes // 4 + 1))
+    big = comm.all_reduce(torch.ones(comm.rocenante.threshold_bytes // 4 + 1))
     comm.destroy()
     assert torch.equal(small, torch.full_like(x, world * (world + 1) / 2)) and torch.equal(big, torch.full_like(big, world))
     return calls_after_small, comm.parent_calls, records

@@ -218,7 +218,7 @@ def _vllm_graph_capture(store, rank, world):
     comm = RocenanteCudaCommunicator(cpu_group, dev, device_group, "tp:0")
     assert comm.rocenante.active, comm.rocenante.why
     small = torch.empty(16, 4096, device=dev, dtype=torch.bfloat16)
-    big = torch.empty(comm.rocenante.comm.capacity_bytes // 4 + 1024, device=dev, dtype=torch.float32)
+    big = torch.empty(comm.rocenante.threshold_bytes // 4 + 1024, device=dev, dtype=torch.float32)
 
     def model():
         return comm.all_reduce(small * 2), comm.all_reduce(big)

@@ -13,12 +13,14 @@ from rocenante.communicator import _DTYPES, Communicator
 
 class AllReduceRouter:
     """Serves the sum all-reduces of a vLLM tensor-parallel group ("tp", as vLLM's own one-shot backends) whose
-    dtype rocenante supports and whose size is within the capacity; returns None for the others, which the
-    caller sends to vLLM's backends. Whether rocenante runs at all is agreed by every rank at start()."""
+    dtype rocenante supports and whose size is at most the threshold (ROCENANTE_THRESHOLD_BYTES, as the
+    torch.distributed backend's: beyond it NCCL is faster); returns None for the others, which the caller sends
+    to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed by every rank at start()."""
 
-    def __init__(self, comm: Optional[Communicator], why: str):
+    def __init__(self, comm: Optional[Communicator], why: str, threshold_bytes: int = 0):
         self.comm = comm
         self.why = why
+        self.threshold_bytes = threshold_bytes
 
     @classmethod
     def start(cls, cpu_group, device: torch.device, unique_name: str) -> "AllReduceRouter":
@@ -27,9 +29,9 @@ class AllReduceRouter:
         if unique_name.split(":")[0] != "tp":
             return cls(None, f"group {unique_name!r} is not tensor-parallel")
         rendezvous = startup.rendezvous_on_group(cpu_group, "vllm")
-        comm, why = startup.open_agreed(rendezvous.exchange, rendezvous.store, rendezvous.rank, rendezvous.size,
-                                        device, f"vllm-{unique_name}", f"vLLM group {unique_name!r}")
-        return cls(comm, why)
+        started = startup.open_agreed(rendezvous.exchange, rendezvous.store, rendezvous.rank, rendezvous.size,
+                                      device, f"vllm-{unique_name}", f"vLLM group {unique_name!r}")
+        return cls(started.comm, started.why, started.threshold_bytes)
 
     @property
     def active(self) -> bool:
@@ -40,13 +42,13 @@ class AllReduceRouter:
         what every rank shares (dtype, size) decides; a tensor on another device than the communicator's is
         refused by the communicator, which faults every rank naming it (never a different path on one rank)."""
         comm = self.comm
-        if comm is None or x.dtype not in _DTYPES or not 0 < x.numel() * x.element_size() <= comm.capacity_bytes:
+        if comm is None or x.dtype not in _DTYPES or not 0 < x.numel() * x.element_size() <= self.threshold_bytes:
             return None
         return comm.all_reduce(x if x.is_contiguous() else x.contiguous())
 
     def describe(self) -> str:
         """What rocenante serves, for the log line."""
-        return (f"sum all-reduces of float32, float16, bfloat16 and int32 up to {self.comm.capacity_bytes} bytes "
+        return (f"sum all-reduces of float32, float16, bfloat16 and int32 up to {self.threshold_bytes} bytes "
                 f"({self.why})")
 
     def close(self) -> None:
