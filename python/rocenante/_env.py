@@ -87,12 +87,14 @@ def _flag(name: str) -> bool:
 
 
 def disabled() -> bool:
-    """ROCENANTE_DISABLE=1: the torch.distributed backend delegates every collective (NCCL / gloo)."""
+    """ROCENANTE_DISABLE=1: the torch.distributed backend delegates every collective (NCCL / gloo); the plugins
+    start no communicator (startup.local_check)."""
     return _flag("ROCENANTE_DISABLE")
 
 
 def strict() -> bool:
-    """ROCENANTE_STRICT=1: the backend raises instead of falling back when its startup self-test fails."""
+    """ROCENANTE_STRICT=1: the backend (and the vLLM plugin) raises instead of falling back when its startup
+    self-test fails."""
     return _flag("ROCENANTE_STRICT")
 
 
