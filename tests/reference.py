@@ -66,3 +66,26 @@ def check_against_float64(out: torch.Tensor, inputs: list[torch.Tensor], op: str
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def add_rmsnorm_float64(partials: list[torch.Tensor], residual: torch.Tensor, gamma: torch.Tensor, eps: float,
+                        weight_bias: float):
+    """The float64 reference of FlashInfer's kARResidualRMSNorm over the ranks' `partials`: residual_out and
+    norm_out, each with the scale its rounding error is bounded by (first order: the sum and residual_out are
+    rounded to the dtype, norm_out = residual_out * s * g carries that error times s * |g|, then its own)."""
+    xs = torch.stack([p.double().cpu() for p in partials])
+    res, g = residual.double().cpu(), gamma.double().cpu() + weight_bias
+    r = xs.sum(0) + res
+    s = torch.rsqrt(r.square().mean(-1, keepdim=True) + eps)
+    norm = r * s * g
+    r_scale = xs.abs().sum(0) + res.abs()
+    return r, r_scale, norm, r_scale * s * g.abs() + norm.abs()
+
+
+def check_within(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, what: str) -> None:
+    """|got - want| <= 8 units of the dtype's rounding times scale, elementwise; no NaN (an unwritten output)."""
+    eps = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[got.dtype]
+    got64 = got.double().cpu()
+    assert not torch.isnan(got64).any(), f"{what}: NaN (unwritten)"
+    worst = ((got64 - want).abs() / (8 * eps * (scale + 1e-3))).max().item()
+    assert worst <= 1.0, f"{what}: error {worst:.2f}x the bound for {got.dtype}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from multiproc import expect_ok, run_ranks
-from reference import digest, make_input, poison, sequential_fp32
+from reference import add_rmsnorm_float64, check_within, digest, make_input, poison, sequential_fp32
 
 
 def _init(store, rank, world):
@@ -51,22 +51,6 @@ class DictCommBackend:
 
     def Split(self, color, key):
         raise NotImplementedError
-
-
-def reference_add_rmsnorm(summed, residual, gamma, eps, weight_bias):
-    """float64 residual add and RMSNorm, from the float64 all-reduce."""
-    r = summed + residual.double()
-    norm = r * torch.rsqrt(r.square().mean(-1, keepdim=True) + eps) * (gamma.double() + weight_bias)
-    return r, norm
-
-
-def _close(got, want, dtype, what, scale=None):
-    eps = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
-    scale = want.abs() if scale is None else scale
-    err = (got.double() - want).abs()
-    assert not torch.isnan(got).any(), f"{what}: NaN (unwritten)"
-    worst = (err / (8 * eps * (scale + 1e-3))).max().item()
-    assert worst <= 1.0, f"{what}: error {worst:.2f}x the bound for {dtype}"
 
 
 def _workspace_face(store, rank, world):
@@ -141,11 +125,9 @@ def _fusion(store, rank, world, bootstrap):
         # FlashInfer's rounding points, emulated: the all-reduce rounded, the add rounded, the norm in fp32.
         r_want = (summed_exact.float() + residual.float()).to(dtype)
         assert torch.equal(residual_out, r_want)
-        summed64 = torch.stack([x.double() for x in xs]).sum(0)
-        r64, norm64 = reference_add_rmsnorm(summed64, residual, gamma, 1e-5, weight_bias)
-        _close(residual_out, r64, dtype, "residual_out", scale=torch.stack([x.double().abs() for x in xs]).sum(0)
-               + residual.double().abs())
-        _close(norm_out, norm64, dtype, "norm_out", scale=norm64.abs() + 1)
+        r64, r_scale, norm64, norm_scale = add_rmsnorm_float64(xs, residual, gamma, 1e-5, weight_bias)
+        check_within(residual_out, r64, r_scale, f"residual_out {dtype}")
+        check_within(norm_out, norm64, norm_scale, f"norm_out {dtype}")
         # In place on the residual (residual_out is residual_in), outputs allocated when omitted.
         inplace = residual.clone()
         again = allreduce_fusion(xs[rank], ws, P.kARResidualRMSNorm, residual_out=inplace, residual_in=inplace,
