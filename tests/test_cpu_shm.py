@@ -22,9 +22,9 @@ from multiproc import expect_ok, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL_SHM = "8m"
-# World 2: each region is 4 x 2 x capacity (+ a 512-byte header): 5 MiB for 640 KiB, so that one fits in 8 MiB
-# and two do not; 12 MiB for 1536 KiB, so that none fits (and four calls touch more than 8 MiB).
-ONE_FITS, NONE_FITS = 640 << 10, 1536 << 10
+# World 2: each region is 3 x (2 - 1) x capacity (+ a 512-byte header): 6 MiB for 2 MiB, so that one fits in
+# 8 MiB and two do not; 9 MiB for 3 MiB, so that none fits.
+ONE_FITS, NONE_FITS = 2 << 20, 3 << 20
 
 
 def _in_small_shm(script: str) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def _full_shm(store, rank, world, capacity):
         comm = rocenante.Communicator(store, rank, world, capacity_bytes=capacity, timeout_s=60)
     except rocenante.RocenanteError as err:
         return type(err).__name__, str(err), time.monotonic() - start
-    for _ in range(4):  # both slots of both regions: where an unreserved segment runs out (SIGBUS)
+    for _ in range(4):  # every buffer of both regions: where an unreserved segment runs out (SIGBUS)
         comm.all_reduce(torch.ones(capacity // 4))
     comm.close()
     return "built", "", 0.0
@@ -79,9 +79,9 @@ def test_a_full_dev_shm_fails_setup_on_every_rank_with_a_clear_error(capacity):
             assert "rank 1 failed to set up the communicator" in message, message
             assert elapsed < 10, f"rank {rank} waited {elapsed:.1f} s for a rank that had already failed"
             continue
-        region = 512 + 8 * capacity
+        region = 512 + 3 * capacity
         for words in (f"rank {rank}: cannot reserve {region} bytes", "No space left on device", "bytes free",
-                      "4 x world x capacity", "ROCENANTE_CAPACITY_BYTES"):
+                      "3 x (world - 1) x capacity", "ROCENANTE_CAPACITY_BYTES"):
             assert words in message, message
     assert out["left"] == [], out["left"]
 

@@ -79,7 +79,7 @@ void reserve(int fd, int rank, const RegionLayout& layout) {
       statvfs(kShmDir, &fs) == 0 ? " (" + std::to_string(uint64_t(fs.f_bavail) * fs.f_frsize) + " bytes free)" : "";
   ROCENANTE_THROW(Error, "rank " + std::to_string(rank) + ": cannot reserve " + std::to_string(bytes) +
                              " bytes of shared memory in " + kShmDir + " for its region: " + std::strerror(err) +
-                             space + "; each rank's region is about 4 x world x capacity (world " +
+                             space + "; each rank's region is 3 x (world - 1) x capacity (world " +
                              std::to_string(layout.world) + ", capacity " + std::to_string(layout.capacity_bytes) +
                              " bytes): lower ROCENANTE_CAPACITY_BYTES or enlarge " + kShmDir);
 }
