@@ -54,7 +54,11 @@ inline uint64_t load_half(const uint32_t* half) {
   return __atomic_load_n(reinterpret_cast<const uint64_t*>(half), __ATOMIC_RELAXED);
 }
 
-inline bool any_lane(Words m) { return (m[0] | m[1] | m[2] | m[3]) != 0; }
+using Quads = uint64_t __attribute__((vector_size(kChunkBytes)));
+inline bool any_lane(Words m) {
+  const Quads q = Quads(m);
+  return (q[0] | q[1]) != 0;
+}
 
 // A chunk of input as every rank reduces it: for the Lamport format sanitize_word() on every word (-0.0
 // elements become +0.0, so no sent word is kEmpty); int32 as it is.
@@ -70,23 +74,21 @@ Words sanitize(Words w) {
   }
 }
 
-// Chunk `c` of the caller's input or output, which are aligned to their element size only; the last chunk
-// may be partial (its missing bytes read as zero).
-inline Words load_input(const AllReduceArgs& a, size_t c) {
-  const char* p = static_cast<const char*>(a.in) + c * kChunkBytes;
-  Words w = {0, 0, 0, 0};
-  if ((c + 1) * kChunkBytes <= a.bytes)
-    std::memcpy(&w, p, kChunkBytes);
-  else
-    std::memcpy(&w, p, a.bytes - c * kChunkBytes);
-  return w;
+// Chunks per block: the pull waits once per peer and block, and the caller's input and output pass through
+// aligned staging of one block (1 KiB) that stays in L1 with the block's partial results (at most 2 KiB).
+constexpr size_t kBlockChunks = 64;
+
+// Chunks [c0, c0 + n) of the caller's input, staged: the caller's buffers are aligned to their element size only,
+// and the last chunk may be partial (its missing bytes read as zero). The caller's memory is private to this
+// rank, so libc's memcpy moves it.
+inline void load_block(const AllReduceArgs& a, size_t c0, size_t n, Words* staged) {
+  const size_t begin = c0 * kChunkBytes, bytes = std::min(n * kChunkBytes, a.bytes - begin);
+  std::memcpy(staged, static_cast<const char*>(a.in) + begin, bytes);
+  std::memset(reinterpret_cast<char*>(staged) + bytes, 0, n * kChunkBytes - bytes);
 }
-inline void store_output(const AllReduceArgs& a, size_t c, Words w) {
-  char* p = static_cast<char*>(a.out) + c * kChunkBytes;
-  if ((c + 1) * kChunkBytes <= a.bytes)
-    std::memcpy(p, &w, kChunkBytes);
-  else
-    std::memcpy(p, &w, a.bytes - c * kChunkBytes);
+inline void store_block(const AllReduceArgs& a, size_t c0, size_t n, const Words* staged) {
+  const size_t begin = c0 * kChunkBytes;
+  std::memcpy(static_cast<char*>(a.out) + begin, staged, std::min(n * kChunkBytes, a.bytes - begin));
 }
 
 // Tells the core it is spinning (x86 pause, AArch64 yield): it leaves the loop without a pipeline flush and
@@ -179,15 +181,21 @@ Words peer_chunk(const uint32_t* area, size_t c) {
 // rank polls from there, so it reads again neither what has arrived nor lines the peer is still writing.
 template <DType D>
 size_t arrived_until(const uint32_t* area, size_t c, size_t end, uint32_t call) {
-  for (; c < end; ++c) {
-    if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (format_of(D) == Format::kLamport) {
+    for (; c + 4 <= end; c += 4) {  // a 64-byte line at a time, then the chunk that is not there
+      const uint32_t* p = area + c * 4;
+      if (any_lane(Words(get_chunk(p) == kEmpty) | Words(get_chunk(p + 4) == kEmpty) |
+                   Words(get_chunk(p + 8) == kEmpty) | Words(get_chunk(p + 12) == kEmpty)))
+        break;
+    }
+    for (; c < end; ++c)
       if (any_lane(Words(get_chunk(area + c * 4) == kEmpty))) return c;
-    } else {
+  } else {
+    for (; c < end; ++c)
       for (int h = 0; h < int(kLinesPerChunk); ++h) {
         const uint32_t* line = area + chunk_line(c, h) * 4;
         if (uint32_t(load_half(line) >> 32) != call || uint32_t(load_half(line + 2) >> 32) != call) return c;
       }
-    }
   }
   return end;
 }
@@ -277,30 +285,28 @@ struct Reducer<DType::kBFloat16, Op> {
   }
 };
 
-// Chunks per block of the pull: one wait per peer and block; the block's partial results (at most 2 KiB)
-// stay in L1. 64 chunks = 1 KiB of payload.
-constexpr size_t kBlockChunks = 64;
-
-// Reduces chunks [c0, c1), all arrived, in rank order; `areas[s]` is peer s's area.
+// Reduces chunks [c0, c0 + n), all arrived, in rank order; `areas[s]` is peer s's area.
 template <DType D, ReduceOp Op>
-void reduce_block(const AllReduceArgs& a, const uint32_t* const* areas, size_t c0, size_t c1) {
+void reduce_block(const AllReduceArgs& a, const uint32_t* const* areas, size_t c0, size_t n) {
   using R = Reducer<D, Op>;
   typename R::Acc acc[kBlockChunks];
-  const size_t n = c1 - c0;
+  Words staged[kBlockChunks];  // our input, then the output
+  load_block(a, c0, n, staged);
   const auto fold = [&](bool first, auto chunk) {
     if (first) {
-      for (size_t i = 0; i < n; ++i) acc[i] = R::from(chunk(c0 + i));
+      for (size_t i = 0; i < n; ++i) acc[i] = R::from(chunk(i));
     } else {
-      for (size_t i = 0; i < n; ++i) acc[i] = R::combine(acc[i], chunk(c0 + i));
+      for (size_t i = 0; i < n; ++i) acc[i] = R::combine(acc[i], chunk(i));
     }
   };
   for (int s = 0; s < a.world; ++s) {
     if (s == a.rank)
-      fold(s == 0, [&](size_t c) { return sanitize<D>(load_input(a, c)); });
+      fold(s == 0, [&](size_t i) { return sanitize<D>(staged[i]); });
     else
-      fold(s == 0, [&](size_t c) { return peer_chunk<D>(areas[s], c); });
+      fold(s == 0, [&](size_t i) { return peer_chunk<D>(areas[s], c0 + i); });
   }
-  for (size_t i = 0; i < n; ++i) store_output(a, c0 + i, R::finish(acc[i], a.world));
+  for (size_t i = 0; i < n; ++i) staged[i] = R::finish(acc[i], a.world);
+  store_block(a, c0, n, staged);
 }
 
 template <DType D>
@@ -309,17 +315,22 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks) {
   int peers = 0;
   for (int p = 0; p < a.world; ++p)
     if (p != a.rank) dst[peers++] = area(a.peer[p], a.layout, buffer, p, a.rank);
-  for (size_t c = 0; c < chunks; ++c) {
-    const Words w = sanitize<D>(load_input(a, c));
-    if constexpr (format_of(D) == Format::kLamport) {
-      for (int i = 0; i < peers; ++i) put_chunk(dst[i] + c * 4, w);
-    } else {
-      for (int i = 0; i < peers; ++i)
-        for (int h = 0; h < int(kLinesPerChunk); ++h) {
-          uint32_t* line = dst[i] + chunk_line(c, h) * 4;
-          store_half(line, w[2 * h], call);
-          store_half(line + 2, w[2 * h + 1], call);
-        }
+  Words staged[kBlockChunks];
+  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const size_t n = std::min(kBlockChunks, chunks - c0);
+    load_block(a, c0, n, staged);
+    for (size_t i = 0; i < n; ++i) staged[i] = sanitize<D>(staged[i]);
+    for (int p = 0; p < peers; ++p) {
+      if constexpr (format_of(D) == Format::kLamport) {
+        for (size_t i = 0; i < n; ++i) put_chunk(dst[p] + (c0 + i) * 4, staged[i]);
+      } else {
+        for (size_t i = 0; i < n; ++i)
+          for (int h = 0; h < int(kLinesPerChunk); ++h) {
+            uint32_t* line = dst[p] + chunk_line(c0 + i, h) * 4;
+            store_half(line, staged[i][2 * h], call);
+            store_half(line + 2, staged[i][2 * h + 1], call);
+          }
+      }
     }
   }
 }
@@ -357,7 +368,7 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
               wait_for(a, s, interrupted, [&] { return (next = arrived_until<D>(areas[s], next, c1, call)) == c1; }))
         return fault;
     }
-    reduce_block<D, Op>(a, areas, c0, c1);
+    reduce_block<D, Op>(a, areas, c0, c1 - c0);
     done = c1;
   }
   return 0;
@@ -389,8 +400,9 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
   size_t done = 0;
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
   if (fault != 0) {
-    const uint32_t p = poison_word(a.dtype);
-    for (size_t c = done; c < chunks; ++c) store_output(a, c, Words{p, p, p, p});
+    const uint32_t poison = poison_word(a.dtype);
+    for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))
+      std::memcpy(static_cast<char*>(a.out) + b, &poison, std::min(sizeof(poison), a.bytes - b));
   }
   return fault;
 }
