@@ -101,10 +101,13 @@ inline void cpu_relax() {
 #endif
 }
 
-// Waits with backoff that yields the core: spin for kSpin (a peer running on another core arrives within
-// microseconds), then yield 100 times (which costs nothing when no other thread wants this core, and lets the
-// peer run when it shares it), then sleep in growing steps of at most 100 us so a late peer costs no CPU. Past
-// the spinning every pause reads the clock, the abort words and (every 10 ms) whether a signal asks us to stop.
+// Waits with backoff that yields the core: spin (a peer running on another core arrives within microseconds),
+// then yield 100 times (which costs nothing when no other thread wants this core, and lets the peer run when
+// it shares it), then sleep in growing steps of at most 100 us so a late peer costs no CPU. Past the spinning
+// every pause reads the clock, the abort words and (every 10 ms) whether a signal asks us to stop.
+// How long to spin adapts, per thread, to where the peers run (as an adaptive mutex does): a wait that ends
+// while spinning doubles the next spin, up to kMaxSpin; one that ends only after yielding (the peer shares our
+// core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
   Backoff(const AllReduceArgs& a, InterruptCheck interrupted)
@@ -114,7 +117,7 @@ class Backoff {
   uint64_t pause() {
     if (spinning_) {
       cpu_relax();
-      if (++spins_ % kSpinsPerClockRead != 0 || Clock::now() < start_ + kSpin) return 0;
+      if (++spins_ % kSpinsPerClockRead != 0 || Clock::now() < start_ + spin_) return 0;
       spinning_ = false;
     }
     if (yields_ < 100) {
@@ -132,11 +135,14 @@ class Backoff {
     }
     return now < deadline_ ? 0 : encode_fault(Fault::kPeerTimeout, 0, 0);
   }
+  // The wait is over: adapt the next one's spin.
+  void arrived() { spin_ = spinning_ ? std::min(spin_ * 2, kMaxSpin) : std::max(spin_ / 2, kMinSpin); }
 
  private:
   using Clock = std::chrono::steady_clock;
-  static constexpr std::chrono::microseconds kSpin{10};
+  static constexpr std::chrono::nanoseconds kMinSpin{1000}, kMaxSpin{50000};
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
+  static thread_local std::chrono::nanoseconds spin_;
   const AllReduceArgs& a_;
   InterruptCheck interrupted_;
   Clock::time_point start_, deadline_;
@@ -146,6 +152,7 @@ class Backoff {
   uint32_t yields_ = 0;
   uint32_t sleep_us_ = 0;
 };
+thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 
 // Waits until `arrived()` for `source`: 0, or the fault that ended the wait (a timeout names `source`).
 template <class Arrived>
@@ -155,7 +162,10 @@ uint64_t wait_for(const AllReduceArgs& a, int source, InterruptCheck interrupted
   // A fault ends the wait only after one more look: a peer whose call differs writes its call word before it
   // aborts, and this rank should name that call rather than relay the peer's abort.
   for (uint64_t fault = 0;; fault = backoff.pause()) {
-    if (arrived()) return 0;
+    if (arrived()) {
+      backoff.arrived();
+      return 0;
+    }
     if (fault_kind(fault) == Fault::kPeerTimeout) return encode_fault(Fault::kPeerTimeout, 1u << source, 0);
     if (fault != 0) return fault;
   }
