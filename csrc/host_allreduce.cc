@@ -8,13 +8,13 @@
 // Element atomicity (layout.h relies on it): every word a peer polls is written by one aligned store that
 // covers it whole, and read by one aligned load that covers it whole:
 //   - Lamport data and resets travel as 16-byte chunks, one aligned vector access each (put_chunk/get_chunk):
-//     through a volatile pointer, so the compiler emits exactly one vector instruction per chunk (movaps or
-//     movups on x86-64, str/ldr q on AArch64) and never splits it, merges it or turns a loop of them into
-//     memcpy/memset (whose rep movsb may tear a word). The hardware then writes each aligned 32-bit element of
-//     it whole: x86 carries out an aligned 16-byte SSE access as one access, or as quadword-aligned accesses
-//     that are each atomic (Intel SDM vol. 3A, "Guaranteed Atomic Operations"; atomic as a whole on AVX
-//     processors); AArch64 carries out a 16-byte-aligned 128-bit SIMD access as two single-copy-atomic 64-bit
-//     accesses (Arm ARM, "Single-copy atomicity").
+//     through a volatile pointer, so the compiler emits exactly one vector instruction per chunk (movaps and
+//     movdqa on x86-64, str q and ldr q on AArch64, as the generated code shows) and never splits it, merges it
+//     or turns a loop of them into memcpy/memset (whose byte-granular copies may tear a word). The hardware then
+//     moves each aligned 32-bit element of it whole: processors with AVX carry out an aligned 16-byte SSE access
+//     atomically (Intel SDM vol. 3A, "Guaranteed Atomic Operations"; older x86 may split it into several
+//     accesses, aligned quadwords in practice); AArch64 carries out a 16-byte-aligned 128-bit SIMD access as two
+//     single-copy-atomic 64-bit accesses (Arm ARM, "Single-copy atomicity").
 //   - Line halves {data, flag} (int32) and call words are C++ atomics (8 and 4 bytes).
 // Placement order is never relied on: a block is reduced only once every one of its words has arrived.
 #include <sched.h>
@@ -140,6 +140,7 @@ class Backoff {
 
  private:
   using Clock = std::chrono::steady_clock;
+  // 50 us: several times a small call, short against a scheduler time slice (milliseconds); 1 us: a few polls.
   static constexpr std::chrono::nanoseconds kMinSpin{1000}, kMaxSpin{50000};
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
   static thread_local std::chrono::nanoseconds spin_;
