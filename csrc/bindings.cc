@@ -59,6 +59,23 @@ PYBIND11_MODULE(_C, m) {
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
   m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
 
+  // The wire format of layout.h, for tests that play a peer by writing a region by hand.
+  auto wire = m.def_submodule("wire", "offsets and words of csrc/layout.h (protocol v2)");
+  wire.attr("header_bytes") = rocenante::kHeaderBytes;
+  wire.attr("empty") = rocenante::kEmpty;
+  wire.def("buffer_of", &rocenante::buffer_of, py::arg("epoch"));
+  wire.def("call_word_offset", [](int buffer, int source) {
+    uint32_t header[rocenante::kHeaderBytes / sizeof(uint32_t)];
+    return size_t(rocenante::call_word(header, buffer, source) - header) * sizeof(uint32_t);
+  }, py::arg("buffer"), py::arg("source"));
+  wire.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
+    return rocenante::RegionLayout{capacity_bytes, world}.area_offset(buffer, receiver, source);
+  }, py::arg("capacity_bytes"), py::arg("world"), py::arg("buffer"), py::arg("receiver"), py::arg("source"));
+  wire.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch) {
+    return rocenante::make_flag(rocenante::call_signature(count, dtype, op), epoch);
+  }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"));
+  wire.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
+
   py::class_<Communicator>(m, "Communicator")
       .def(py::init<int, int, int, size_t, double, rocenante::OnFault>(), py::arg("rank"), py::arg("world"),
            py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"), py::arg("on_fault"))

@@ -41,6 +41,8 @@ ROCENANTE_HD uint16_t float_to_bf16(float f) {
 ROCENANTE_HD float fp16_to_float(uint16_t h) {
 #ifdef __CUDACC__
   return __half2float(__ushort_as_half(h));
+#elif defined(__aarch64__)
+  return float(bit_cast<__fp16>(h));  // AArch64's IEEE half: GCC before 13 has no _Float16 in C++ there
 #else
   return float(bit_cast<_Float16>(h));
 #endif
@@ -48,6 +50,8 @@ ROCENANTE_HD float fp16_to_float(uint16_t h) {
 ROCENANTE_HD uint16_t float_to_fp16(float f) {
 #ifdef __CUDACC__
   return __half_as_ushort(__float2half_rn(f));
+#elif defined(__aarch64__)
+  return bit_cast<uint16_t>(__fp16(f));  // IEEE conversion, round to nearest even
 #else
   return bit_cast<uint16_t>(_Float16(f));  // IEEE conversion, round to nearest even
 #endif

@@ -2,9 +2,21 @@
 //   1. push:  write the call word, then our input (Lamport: sanitized; int32: as lines) into our area of this
 //             call's buffer in every peer's region;
 //   2. reset: write kEmpty over the previous call's buffer of our own region;
-//   3. pull:  wait for every peer's call word, then chunk by chunk for every peer's data, combine all inputs in
-//             rank order and write the output.
-// Every word a peer polls is written with one aligned atomic store (layout.h: element atomicity).
+//   3. pull:  wait for every peer's call word, then block by block for every peer's data, combine all inputs
+//             in rank order and write the output.
+//
+// Element atomicity (layout.h relies on it): every word a peer polls is written by one aligned store that
+// covers it whole, and read by one aligned load that covers it whole:
+//   - Lamport data and resets travel as 16-byte chunks, one aligned vector access each (put_chunk/get_chunk):
+//     through a volatile pointer, so the compiler emits exactly one vector instruction per chunk (movaps and
+//     movdqa on x86-64, str q and ldr q on AArch64, as the generated code shows) and never splits it, merges it
+//     or turns a loop of them into memcpy/memset (whose byte-granular copies may tear a word). The hardware then
+//     moves each aligned 32-bit element of it whole: processors with AVX carry out an aligned 16-byte SSE access
+//     atomically (Intel SDM vol. 3A, "Guaranteed Atomic Operations"; older x86 may split it into several
+//     accesses, aligned quadwords in practice); AArch64 carries out a 16-byte-aligned 128-bit SIMD access as two
+//     single-copy-atomic 64-bit accesses (Arm ARM, "Single-copy atomicity").
+//   - Line halves {data, flag} (int32) and call words are C++ atomics (8 and 4 bytes).
+// Placement order is never relied on: a block is reduced only once every one of its words has arrived.
 #include <sched.h>
 
 #include <algorithm>
@@ -19,25 +31,97 @@
 namespace rocenante {
 namespace {
 
+// One 16-byte chunk in a vector register (GCC/Clang vector extensions: SSE2 on x86-64, NEON on AArch64), as
+// four 32-bit words, four floats, four int32 or eight 16-bit halves.
+using Words = uint32_t __attribute__((vector_size(kChunkBytes)));
+using Floats = float __attribute__((vector_size(kChunkBytes)));
+using Ints = int32_t __attribute__((vector_size(kChunkBytes)));
+using Halves = uint16_t __attribute__((vector_size(kChunkBytes)));
+static_assert(sizeof(Words) == kChunkBytes && alignof(Words) == kChunkBytes, "a chunk is one aligned vector");
+
+constexpr Words kEmptyChunk = {kEmpty, kEmpty, kEmpty, kEmpty};
+
+inline void put_chunk(uint32_t* dst, Words v) { *reinterpret_cast<volatile Words*>(dst) = v; }
+inline Words get_chunk(const uint32_t* src) { return *reinterpret_cast<const volatile Words*>(src); }
+
 inline void store_word(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 inline uint32_t load_word(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-// A line's 8-byte half {data, flag} is written as one atomic 64-bit store.
+// A line's 8-byte half {data, flag} is one atomic 64-bit access.
 inline void store_half(uint32_t* half, uint32_t data, uint32_t flag) {
   __atomic_store_n(reinterpret_cast<uint64_t*>(half), (uint64_t(flag) << 32) | data, __ATOMIC_RELAXED);
 }
+inline uint64_t load_half(const uint32_t* half) {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(half), __ATOMIC_RELAXED);
+}
 
-// Waits with backoff that yields the core: spin briefly (a peer usually arrives within microseconds),
-// then yield, then sleep in growing steps of at most 100 us so a late peer costs no CPU. Past the spinning
+using Quads = uint64_t __attribute__((vector_size(kChunkBytes)));
+inline bool any_lane(Words m) {
+  const Quads q = Quads(m);
+  return (q[0] | q[1]) != 0;
+}
+
+// A chunk of input as every rank reduces it: for the Lamport format sanitize_word() on every word (-0.0
+// elements become +0.0, so no sent word is kEmpty); int32 as it is.
+template <DType D>
+Words sanitize(Words w) {
+  if constexpr (D == DType::kFloat32) {
+    return w & ~Words(w == kEmpty);
+  } else if constexpr (D == DType::kInt32) {
+    return w;
+  } else {
+    const Halves h = Halves(w);
+    return Words(h & ~Halves(h == uint16_t(0x8000)));
+  }
+}
+
+// Chunks per block: the pull waits once per peer and block, and the caller's input and output pass through
+// aligned staging of one block (1 KiB) that stays in L1 with the block's partial results (at most 2 KiB).
+constexpr size_t kBlockChunks = 64;
+
+// Chunks [c0, c0 + n) of the caller's input, staged: the caller's buffers are aligned to their element size only,
+// and the last chunk may be partial (its missing bytes read as zero). The caller's memory is private to this
+// rank, so libc's memcpy moves it.
+inline void load_block(const AllReduceArgs& a, size_t c0, size_t n, Words* staged) {
+  const size_t begin = c0 * kChunkBytes, bytes = std::min(n * kChunkBytes, a.bytes - begin);
+  std::memcpy(staged, static_cast<const char*>(a.in) + begin, bytes);
+  std::memset(reinterpret_cast<char*>(staged) + bytes, 0, n * kChunkBytes - bytes);
+}
+inline void store_block(const AllReduceArgs& a, size_t c0, size_t n, const Words* staged) {
+  const size_t begin = c0 * kChunkBytes;
+  std::memcpy(static_cast<char*>(a.out) + begin, staged, std::min(n * kChunkBytes, a.bytes - begin));
+}
+
+// Tells the core it is spinning (x86 pause, AArch64 yield): it leaves the loop without a pipeline flush and
+// spends less power meanwhile; elsewhere nothing.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+// Waits with backoff that yields the core: spin (a peer running on another core arrives within microseconds),
+// then yield 100 times (which costs nothing when no other thread wants this core, and lets the peer run when
+// it shares it), then sleep in growing steps of at most 100 us so a late peer costs no CPU. Past the spinning
 // every pause reads the clock, the abort words and (every 10 ms) whether a signal asks us to stop.
+// How long to spin adapts, per thread, to where the peers run (as an adaptive mutex does): a wait that ends
+// while spinning doubles the next spin, up to kMaxSpin; one that ends only after yielding (the peer shares our
+// core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
   Backoff(const AllReduceArgs& a, InterruptCheck interrupted)
-      : a_(a), interrupted_(interrupted), deadline_(Clock::now() + std::chrono::nanoseconds(a.timeout_ns)) {}
+      : a_(a), interrupted_(interrupted), start_(Clock::now()),
+        deadline_(start_ + std::chrono::nanoseconds(a.timeout_ns)) {}
   // 0 to keep waiting, or the fault that ends the wait (kPeerTimeout's detail is left for the caller).
   uint64_t pause() {
-    ++rounds_;
-    if (rounds_ < 2000) return 0;  // ~a few microseconds of pure spinning
-    if (rounds_ < 2100) {
+    if (spinning_) {
+      cpu_relax();
+      if (++spins_ % kSpinsPerClockRead != 0 || Clock::now() < start_ + spin_) return 0;
+      spinning_ = false;
+    }
+    if (yields_ < 100) {
+      ++yields_;
       sched_yield();
     } else {
       sleep_us_ = std::min<uint32_t>(sleep_us_ * 2 + 1, 100);
@@ -51,54 +135,25 @@ class Backoff {
     }
     return now < deadline_ ? 0 : encode_fault(Fault::kPeerTimeout, 0, 0);
   }
+  // The wait is over: adapt the next one's spin.
+  void arrived() { spin_ = spinning_ ? std::min(spin_ * 2, kMaxSpin) : std::max(spin_ / 2, kMinSpin); }
 
  private:
   using Clock = std::chrono::steady_clock;
+  // 50 us: several times a small call, short against a scheduler time slice (milliseconds); 1 us: a few polls.
+  static constexpr std::chrono::nanoseconds kMinSpin{1000}, kMaxSpin{50000};
+  static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
+  static thread_local std::chrono::nanoseconds spin_;
   const AllReduceArgs& a_;
   InterruptCheck interrupted_;
-  Clock::time_point deadline_;
+  Clock::time_point start_, deadline_;
   Clock::time_point next_signal_check_{};
-  uint32_t rounds_ = 0;
+  bool spinning_ = true;
+  uint32_t spins_ = 0;
+  uint32_t yields_ = 0;
   uint32_t sleep_us_ = 0;
 };
-
-void load_chunk(const AllReduceArgs& a, size_t chunk, uint32_t (&w)[4]) {
-  const size_t begin = chunk * kChunkBytes;
-  const size_t n = std::min(kChunkBytes, a.bytes - begin);
-  std::memset(w, 0, sizeof(w));
-  std::memcpy(w, static_cast<const char*>(a.in) + begin, n);
-}
-
-void store_chunk(const AllReduceArgs& a, size_t chunk, const uint32_t (&w)[4]) {
-  const size_t begin = chunk * kChunkBytes;
-  std::memcpy(static_cast<char*>(a.out) + begin, w, std::min(kChunkBytes, a.bytes - begin));
-}
-
-// One look at a peer's chunk: true once all of it has arrived, its payload then in `w`.
-template <DType D>
-bool chunk_arrived(const uint32_t* src, size_t c, uint32_t call, uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport) {
-    for (int i = 0; i < 4; ++i)
-      if ((w[i] = load_word(src + c * 4 + i)) == kEmpty) return false;
-    return true;
-  } else {
-    for (int h = 0; h < int(kLinesPerChunk); ++h) {
-      const uint32_t* line = src + chunk_line(c, h) * 4;
-      for (int half = 0; half < 2; ++half) {
-        const uint64_t v = __atomic_load_n(reinterpret_cast<const uint64_t*>(line + 2 * half), __ATOMIC_RELAXED);
-        if (uint32_t(v >> 32) != call) return false;
-        w[2 * h + half] = uint32_t(v);
-      }
-    }
-    return true;
-  }
-}
-
-template <DType D>
-void sanitize(uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport)
-    for (uint32_t& x : w) x = sanitize_word(x, D);
-}
+thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 
 // Waits until `arrived()` for `source`: 0, or the fault that ended the wait (a timeout names `source`).
 template <class Arrived>
@@ -108,15 +163,191 @@ uint64_t wait_for(const AllReduceArgs& a, int source, InterruptCheck interrupted
   // A fault ends the wait only after one more look: a peer whose call differs writes its call word before it
   // aborts, and this rank should name that call rather than relay the peer's abort.
   for (uint64_t fault = 0;; fault = backoff.pause()) {
-    if (arrived()) return 0;
+    if (arrived()) {
+      backoff.arrived();
+      return 0;
+    }
     if (fault_kind(fault) == Fault::kPeerTimeout) return encode_fault(Fault::kPeerTimeout, 1u << source, 0);
     if (fault != 0) return fault;
   }
 }
 
+// Chunk `c` of a peer's area, once it has arrived: the data words of its two lines for int32.
+template <DType D>
+Words peer_chunk(const uint32_t* area, size_t c) {
+  if constexpr (format_of(D) == Format::kLamport) {
+    return get_chunk(area + c * 4);
+  } else {
+    Words w = {0, 0, 0, 0};
+    for (int h = 0; h < int(kLinesPerChunk); ++h) {
+      const uint32_t* line = area + chunk_line(c, h) * 4;
+      w[2 * h] = uint32_t(load_half(line));
+      w[2 * h + 1] = uint32_t(load_half(line + 2));
+    }
+    return w;
+  }
+}
+
+// One look at chunks [c, end) of a peer's area: the first chunk not yet wholly arrived, or `end`. A waiting
+// rank polls from there, so it reads again neither what has arrived nor lines the peer is still writing.
+template <DType D>
+size_t arrived_until(const uint32_t* area, size_t c, size_t end, uint32_t call) {
+  if constexpr (format_of(D) == Format::kLamport) {
+    for (; c + 4 <= end; c += 4) {  // a 64-byte line at a time, then the chunk that is not there
+      const uint32_t* p = area + c * 4;
+      if (any_lane(Words(get_chunk(p) == kEmpty) | Words(get_chunk(p + 4) == kEmpty) |
+                   Words(get_chunk(p + 8) == kEmpty) | Words(get_chunk(p + 12) == kEmpty)))
+        break;
+    }
+    for (; c < end; ++c)
+      if (any_lane(Words(get_chunk(area + c * 4) == kEmpty))) return c;
+  } else {
+    for (; c < end; ++c)
+      for (int h = 0; h < int(kLinesPerChunk); ++h) {
+        const uint32_t* line = area + chunk_line(c, h) * 4;
+        if (uint32_t(load_half(line) >> 32) != call || uint32_t(load_half(line + 2) >> 32) != call) return c;
+      }
+  }
+  return end;
+}
+
+// How a chunk is combined, in vector registers: the same operations in the same order as Chunk<D>'s
+// accumulate() and finish() (chunk_reduce.h), lane by lane, so the bits equal the kernel's.
+// from(): the first rank's chunk; combine(): the next rank's; finish(): the output chunk.
+template <ReduceOp Op, class V>
+V combine_lanes(V acc, V v) {
+  if constexpr (Op == ReduceOp::kMax) return ((acc > v) | (acc != acc)) ? acc : v;  // a NaN wins, as in combine()
+  if constexpr (Op == ReduceOp::kMin) return ((acc < v) | (acc != acc)) ? acc : v;
+  return acc + v;
+}
+
+// float16: the scalar code of chunk_reduce.h, element by element.
 template <DType D, ReduceOp Op>
-uint64_t pull_and_reduce(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCheck interrupted,
-                         size_t& done) {
+struct Reducer {
+  struct Acc {
+    typename Chunk<D>::Acc e[Chunk<D>::kElems];
+  };
+  static Acc from(Words w) { return fold(Acc{}, w, true); }
+  static Acc combine(Acc acc, Words w) { return fold(acc, w, false); }
+  static Words finish(const Acc& acc, int world) {
+    uint32_t out[4] = {0, 0, 0, 0};
+    rocenante::finish<D, Op>(acc.e, world, out);
+    Words w = {0, 0, 0, 0};
+    std::memcpy(&w, out, sizeof(w));
+    return w;
+  }
+
+ private:
+  static Acc fold(Acc acc, Words w, bool first) {
+    uint32_t in[4];
+    std::memcpy(in, &w, sizeof(in));
+    accumulate<D, Op>(acc.e, in, first);
+    return acc;
+  }
+};
+
+template <ReduceOp Op>
+struct Reducer<DType::kFloat32, Op> {
+  using Acc = Floats;
+  static Acc from(Words w) { return Floats(w); }
+  static Acc combine(Acc acc, Words w) { return combine_lanes<Op>(acc, Floats(w)); }
+  static Words finish(Acc acc, int world) {
+    if constexpr (Op == ReduceOp::kAvg) acc = acc / float(world);
+    return Words(acc);
+  }
+};
+
+// int32 sums wrap (unsigned lanes); max and min compare signed lanes.
+template <ReduceOp Op>
+struct Reducer<DType::kInt32, Op> {
+  using Acc = Words;
+  static Acc from(Words w) { return w; }
+  static Acc combine(Acc acc, Words w) {
+    if constexpr (Op == ReduceOp::kSum) return acc + w;
+    return Words(combine_lanes<Op>(Ints(acc), Ints(w)));
+  }
+  static Words finish(Acc acc, int) { return acc; }
+};
+
+// bfloat16: each word holds two elements; the low ones and the high ones accumulate in two float vectors.
+template <ReduceOp Op>
+struct Reducer<DType::kBFloat16, Op> {
+  struct Acc {
+    Floats low, high;
+  };
+  static Acc from(Words w) { return {Floats(w << 16), Floats(w & 0xFFFF0000u)}; }
+  static Acc combine(Acc acc, Words w) {
+    return {combine_lanes<Op>(acc.low, Floats(w << 16)), combine_lanes<Op>(acc.high, Floats(w & 0xFFFF0000u))};
+  }
+  static Words finish(Acc acc, int world) {
+    if constexpr (Op == ReduceOp::kAvg) {
+      acc.low = acc.low / float(world);
+      acc.high = acc.high / float(world);
+    }
+    return to_bf16(acc.low) | (to_bf16(acc.high) << 16);
+  }
+
+ private:
+  // float_to_bf16() on four lanes: NaN stays a quiet NaN, everything else rounds to nearest even.
+  static Words to_bf16(Floats f) {
+    const Words b = Words(f);
+    const Words nan = Words((b & 0x7FFFFFFFu) > 0x7F800000u);
+    return (nan & ((b >> 16) | 0x40u)) | (~nan & ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16));
+  }
+};
+
+// Reduces chunks [c0, c0 + n), all arrived, in rank order; `areas[s]` is peer s's area.
+template <DType D, ReduceOp Op>
+void reduce_block(const AllReduceArgs& a, const uint32_t* const* areas, size_t c0, size_t n) {
+  using R = Reducer<D, Op>;
+  typename R::Acc acc[kBlockChunks];
+  Words staged[kBlockChunks];  // our input, then the output
+  load_block(a, c0, n, staged);
+  const auto fold = [&](bool first, auto chunk) {
+    if (first) {
+      for (size_t i = 0; i < n; ++i) acc[i] = R::from(chunk(i));
+    } else {
+      for (size_t i = 0; i < n; ++i) acc[i] = R::combine(acc[i], chunk(i));
+    }
+  };
+  for (int s = 0; s < a.world; ++s) {
+    if (s == a.rank)
+      fold(s == 0, [&](size_t i) { return sanitize<D>(staged[i]); });
+    else
+      fold(s == 0, [&](size_t i) { return peer_chunk<D>(areas[s], c0 + i); });
+  }
+  for (size_t i = 0; i < n; ++i) staged[i] = R::finish(acc[i], a.world);
+  store_block(a, c0, n, staged);
+}
+
+template <DType D>
+void push(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks) {
+  uint32_t* dst[kMaxRanks];
+  int peers = 0;
+  for (int p = 0; p < a.world; ++p)
+    if (p != a.rank) dst[peers++] = area(a.peer[p], a.layout, buffer, p, a.rank);
+  Words staged[kBlockChunks];
+  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const size_t n = std::min(kBlockChunks, chunks - c0);
+    load_block(a, c0, n, staged);
+    for (size_t i = 0; i < n; ++i) staged[i] = sanitize<D>(staged[i]);
+    for (int p = 0; p < peers; ++p) {
+      if constexpr (format_of(D) == Format::kLamport) {
+        for (size_t i = 0; i < n; ++i) put_chunk(dst[p] + (c0 + i) * 4, staged[i]);
+      } else {
+        for (size_t i = 0; i < n; ++i)
+          for (int h = 0; h < int(kLinesPerChunk); ++h) {
+            uint32_t* line = dst[p] + chunk_line(c0 + i, h) * 4;
+            store_half(line, staged[i][2 * h], call);
+            store_half(line + 2, staged[i][2 * h + 1], call);
+          }
+      }
+    }
+  }
+}
+
+template <DType D, ReduceOp Op>
+uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCheck interrupted, size_t& done) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   done = 0;
@@ -136,24 +367,20 @@ uint64_t pull_and_reduce(const AllReduceArgs& a, uint32_t epoch, size_t chunks, 
     }
   }
   // Then the data: whatever has arrived is this call's (layout.h).
-  for (; done < chunks; ++done) {
-    const size_t c = done;
-    typename Chunk<D>::Acc acc[Chunk<D>::kElems];
+  const uint32_t* areas[kMaxRanks] = {};
+  for (int s = 0; s < a.world; ++s)
+    if (s != a.rank) areas[s] = area(a.local, a.layout, buffer, a.rank, s);
+  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const size_t c1 = std::min(chunks, c0 + kBlockChunks);
     for (int s = 0; s < a.world; ++s) {
-      uint32_t w[4];
-      if (s == a.rank) {
-        load_chunk(a, c, w);
-        sanitize<D>(w);
-      } else {
-        const uint32_t* src = area(a.local, a.layout, buffer, a.rank, s);
-        if (const uint64_t fault = wait_for(a, s, interrupted, [&] { return chunk_arrived<D>(src, c, call, w); }))
-          return fault;
-      }
-      accumulate<D, Op>(acc, w, s == 0);
+      if (s == a.rank) continue;
+      size_t next = c0;
+      if (const uint64_t fault =
+              wait_for(a, s, interrupted, [&] { return (next = arrived_until<D>(areas[s], next, c1, call)) == c1; }))
+        return fault;
     }
-    uint32_t w[4] = {0, 0, 0, 0};
-    finish<D, Op>(acc, a.world, w);
-    store_chunk(a, c, w);
+    reduce_block<D, Op>(a, areas, c0, c1 - c0);
+    done = c1;
   }
   return 0;
 }
@@ -170,44 +397,23 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
   std::atomic_thread_fence(std::memory_order_release);
   for (int p = 0; p < a.world; ++p)
     if (p != a.rank) store_word(call_word(a.peer[p], buffer, a.rank), call);
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() {
-    for (size_t c = 0; c < chunks; ++c) {
-      uint32_t w[4];
-      load_chunk(a, c, w);
-      sanitize<D>(w);
-      for (int p = 0; p < a.world; ++p) {
-        if (p == a.rank) continue;
-        uint32_t* dst = area(a.peer[p], a.layout, buffer, p, a.rank);
-        if constexpr (format_of(D) == Format::kLamport) {
-          for (int i = 0; i < 4; ++i) store_word(dst + c * 4 + i, w[i]);
-        } else {
-          for (int h = 0; h < int(kLinesPerChunk); ++h) {
-            uint32_t* line = dst + chunk_line(c, h) * 4;
-            store_half(line, w[2 * h], call);
-            store_half(line + 2, w[2 * h + 1], call);
-          }
-        }
-      }
-    }
-  });
+  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call, chunks); });
 
   const int previous = previous_buffer(epoch);
   for (int s = 0; s < a.world; ++s) {
     if (s == a.rank) continue;
     store_word(call_word(a.local, previous, s), kEmpty);
     uint32_t* stale = area(a.local, a.layout, previous, a.rank, s);
-    for (size_t i = 0; i < reset_span / sizeof(uint32_t); ++i) store_word(stale + i, kEmpty);
+    for (size_t i = 0; i < reset_span / kChunkBytes; ++i) put_chunk(stale + i * 4, kEmptyChunk);
   }
 
   uint64_t fault = 0;
   size_t done = 0;
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() {
-    fault = pull_and_reduce<D, Op>(a, epoch, chunks, interrupted, done);
-  });
+  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
   if (fault != 0) {
-    const uint32_t p = poison_word(a.dtype);
-    const uint32_t poison[4] = {p, p, p, p};
-    for (size_t c = done; c < chunks; ++c) store_chunk(a, c, poison);
+    const uint32_t poison = poison_word(a.dtype);
+    for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))
+      std::memcpy(static_cast<char*>(a.out) + b, &poison, std::min(sizeof(poison), a.bytes - b));
   }
   return fault;
 }

@@ -96,6 +96,7 @@ class _WrongOnRank1:
     """A gloo all-reduce that adds one ulp-sized error on rank 1 only."""
 
     name = "wrong"
+    all_reduce = True  # checked like every all-reduce arm (arms.Arm)
 
     def __init__(self, ctx, group):
         self.ctx, self.group = ctx, group
@@ -113,6 +114,7 @@ class _Unsupported:
     """An arm whose call raises before communicating, on every rank (as an op lacking a dtype does)."""
 
     name = "unsupported"
+    all_reduce = True  # checked like every all-reduce arm (arms.Arm)
 
     def call(self, x, y):
         raise TypeError("no float32 kernel")

@@ -76,6 +76,43 @@ def test_max_and_min_with_nan_follow_torch_maximum_whichever_rank_holds_it():
     assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
 
 
+# Bit patterns that look like the empty word (0x80000000) or half of it: -0.0 in every float dtype, and for
+# int32 (which travels in lines and must arrive untouched) INT32_MIN and words with 0x8000 in either half.
+_SENTINEL_LIKE = {torch.float32: [0x80000000], torch.float16: [0x8000], torch.bfloat16: [0x8000],
+                  torch.int32: [0x80000000, 0x00008000, 0xFFFF8000, 0x80008000]}
+
+
+def _sentinel_input(seed, rank, numel, dtype):
+    x = make_input(seed, 0, rank, numel, dtype)
+    bits = x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    for pattern in _SENTINEL_LIKE[dtype]:
+        where = torch.randperm(numel, generator=g)[: numel // 8]
+        bits[where] = pattern - (1 << 8 * x.element_size()) if pattern >> (8 * x.element_size() - 1) else pattern
+    if dtype.is_floating_point:
+        x[torch.randperm(numel, generator=g)[: numel // 8]] = 0.0
+    return x
+
+
+def _sentinel_like_values(store, rank, world, seed):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+    for case, (dtype, op) in enumerate((d, o) for d in DTYPES for o in ops_for(d)):
+        numel = 4099  # several blocks and a partial last chunk
+        inputs = [_sentinel_input(seed + case, r, numel, dtype) for r in range(world)]
+        got = comm.all_reduce(inputs[rank], op=op)
+        # Senders and reducers turn -0.0 into +0.0 (layout.h); then the rank-order fp32 result, bit for bit.
+        sent = [x + 0 if dtype.is_floating_point else x for x in inputs]  # x + 0 turns -0.0 into +0.0 only
+        want = sequential_fp32(sent, op)
+        bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+        assert torch.equal(got.view(bits), want.view(bits)), f"{dtype} {op}: not the bits of the sanitized inputs"
+    comm.close()
+    return True
+
+
+def test_values_like_the_empty_word_arrive_as_the_format_says():
+    expect_ok(run_ranks(3, _sentinel_like_values, 31))
+
+
 def _back_to_back(store, rank, world, calls):
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
     rng = random.Random(7)  # same sizes on every rank

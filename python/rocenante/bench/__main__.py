@@ -105,6 +105,7 @@ def main(argv=None) -> int:
         "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
     }
     print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
+    load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     out = results[0]
     result = {
         "schema": report.SCHEMA,
-        "provenance": provenance.collect(a.device, runner.method(cfg, out["method"])),
+        "provenance": provenance.collect(a.device, runner.method(cfg, out["method"]), load_before),
         "world_size": a.ranks,
         "config": cfg,
         "rows": out["rows"],

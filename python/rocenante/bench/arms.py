@@ -3,18 +3,21 @@ runs one all-reduce on them; the runner times back-to-back calls, captured in a 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.distributed as dist
 
 # Every arm the benchmark knows, per device type, in the order they run in round 0 (--arms picks a subset).
 NAMES = {
     "cuda": ["rocenante", "rocenante_backend", "nccl", "symm_mem_one_shot", "symm_mem_two_shot"],
-    "cpu": ["rocenante", "rocenante_backend", "gloo"],
+    "cpu": ["rocenante", "rocenante_backend", "gloo", "memcpy"],
 }
 
 
 class Arm:
     name = ""
+    all_reduce = True  # False: a yardstick, timed beside the all-reduces but neither checked nor one of them
 
     def __init__(self, ctx):
         self.ctx = ctx  # rank, world, device, communicator
@@ -90,6 +93,18 @@ class SymmMem(Arm):
             return torch.ops.symm_mem.one_shot_all_reduce(x, "sum", self.group_name)
         torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", self.group_name)
         return x
+
+
+class Memcpy(Arm):
+    """The yardstick of the CPU path: one core copying the same bytes (libc memcpy of x into y), on every rank
+    at once, as the all-reduces run."""
+
+    name = "memcpy"
+    all_reduce = False
+
+    def call(self, x, y):
+        ctypes.memmove(y.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+        return y
 
 
 def available_symm_mem_arms() -> list[str]:

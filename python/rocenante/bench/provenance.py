@@ -30,8 +30,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def collect(device_type: str, method: dict) -> dict:
-    """`method`: how the run measured (runner.method), kept beside where it ran."""
+def collect(device_type: str, method: dict, load_before: tuple) -> dict:
+    """`method`: how the run measured (runner.method), kept beside where it ran; `load_before`: the host's
+    os.getloadavg() when the run started (other work on the host slows every arm, the CPU ones most)."""
     import rocenante
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -53,6 +54,8 @@ def collect(device_type: str, method: dict) -> dict:
         "nccl": None,
         "topology": None,
         "method": method,
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg()),
+                         "note": "the host's 1-, 5- and 15-minute load averages when the run started and ended"},
     }
     if device_type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
