@@ -58,8 +58,9 @@ def test_router_off_on_every_rank_when_one_rank_is_disabled():
 
 
 def _python(env: dict, *parts: str) -> subprocess.CompletedProcess:
-    """Runs the parts (each dedented) as one program in a fresh interpreter."""
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + env.pop("PYTHONPATH", ""), **env}
+    """Runs the parts (each dedented) as one program in a fresh interpreter that imports what this one does
+    (an installed rocenante, or the source tree with its built extension)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **env}
     code = "\n".join(textwrap.dedent(p) for p in parts)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
