@@ -194,6 +194,7 @@ enum class Fault : uint32_t {
   kPeerExited = 4,    // detail: the peer whose process ended (seen by this rank's watchdog)
   kRefused = 5,       // detail: the rank that refused a call for a reason only it could see
   kInterrupted = 6,   // detail: the rank whose wait a signal (Ctrl-C) interrupted
+  kTransport = 7,     // detail: the peer a delivery to failed; value: the verbs completion status (ibverbs.cc)
 };
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;
