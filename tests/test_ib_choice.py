@@ -170,3 +170,26 @@ def test_transport_choice_from_the_ranks_hosts(hosts, nets, words):
 
     for rank, got in enumerate(run_ranks(3, _build_with_host, hosts, nets, timeout=120, context="fork")):
         assert isinstance(got, str) and (words in got), f"rank {rank}: {got}"
+
+
+def test_doctor_on_a_machine_without_rdma_says_so_and_exits_2():
+    import subprocess
+    import sys
+
+    if _ib.scan():
+        pytest.skip("this machine has RDMA devices")
+    run = subprocess.run([sys.executable, "-m", "rocenante.doctor"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "rocenante could not use RDMA here: no usable RDMA port" in run.stdout, run.stdout
+
+
+def test_doctor_names_what_ranks_disagree_on():
+    from rocenante import doctor
+
+    same = {"ports": ["rxe0 port 1"], "mtus": [1024], "gid_types": ["RoCE v2"], "rocenante": "0.1.0",
+            "with_ibverbs": True, "env": {"NCCL_IB_HCA": None}}
+    other = {**same, "mtus": [4096], "env": {"NCCL_IB_HCA": "mlx5_0"}}
+    found = doctor._disagreements([same, same, other])
+    assert found == ["ranks disagree on mtus: rank 0: [1024]; rank 1: [1024]; rank 2: [4096]",
+                     "ranks disagree on env: rank 0: {'NCCL_IB_HCA': None}; rank 1: {'NCCL_IB_HCA': None}; "
+                     "rank 2: {'NCCL_IB_HCA': 'mlx5_0'}"], found

@@ -44,11 +44,28 @@ def _devices_with_pyverbs(report: Report, sysfs: list[_ib.Port]) -> dict:
         import pyverbs.device as d
         from pyverbs.device import Context
     except ImportError as err:
-        report.warn(f"{_PYVERBS_HINT} ({err})")
-        return {}
+        # The system's package, built for this Python version, is the right one (it matches the system's
+        # rdma-core); it lives outside a virtual environment's or pyenv's path. Only pyverbs is taken from there.
+        tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
+        system = "/usr/lib/python3/dist-packages"
+        built = os.path.isdir(os.path.join(system, "pyverbs")) and any(
+            tag in name for name in os.listdir(os.path.join(system, "pyverbs")))
+        if not built:
+            report.warn(f"{_PYVERBS_HINT} ({err})")
+            return {}
+        sys.path.append(system)
+        import pyverbs.device as d
+        from pyverbs.device import Context
+
+        report.say(f"(pyverbs from {system}: the system's, built for this Python)")
     types = {(p.device, p.port): {g.index: g.type for g in p.gids} for p in sysfs}
     mtus = {}
-    for dev in d.get_device_list():
+    try:
+        devices = d.get_device_list()
+    except Exception as err:  # pyverbs raises when the kernel has no RDMA device at all
+        report.say(f"pyverbs lists no RDMA device ({err})")
+        return {}
+    for dev in devices:
         name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
         with Context(name=name) as ctx:
             attr = ctx.query_device()
