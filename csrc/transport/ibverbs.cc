@@ -127,12 +127,13 @@ const Verbs& verbs() {
   return v;
 }
 
-// Retransmission: local ACK timeout 4.096 us x 2^16 = 268 ms per attempt, 7 retries: a peer whose NIC stops
-// answering (its process ended, its host went down) fails our next write after about 8 x 268 ms = 2.1 s
-// (IBV_WC_RETRY_EXC_ERR), while a lossless RoCE fabric never comes near one timeout.
+// Retransmission: local ACK timeout 4.096 us x 2^16 = 268 ms per attempt, 6 retries: a peer whose NIC stops
+// answering (its process ended, its host went down) fails our next write after about 7 x 268 ms = 1.9 s
+// (IBV_WC_RETRY_EXC_ERR), while a lossless RoCE fabric never comes near one timeout. Not 7 retries: Linux rxe
+// treats a retry count of 7 as "retry forever" (drivers/infiniband/sw/rxe/rxe_comp.c), like the RNR count.
 constexpr uint8_t kAckTimeout = 16;
-constexpr uint8_t kRetryCount = 7;
-constexpr double kRetryBudgetS = 8 * 4.096e-6 * (1 << kAckTimeout);
+constexpr uint8_t kRetryCount = 6;
+constexpr double kRetryBudgetS = (kRetryCount + 1) * 4.096e-6 * (1 << kAckTimeout);
 // The NIC reports every posted write within the retry budget; waiting four times as long before calling the
 // peer unreachable only guards against a NIC or driver that stopped reporting (SoftRoCE in an emulated VM
 // reports late).

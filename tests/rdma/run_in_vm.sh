@@ -10,4 +10,6 @@ repo=$(cd "$here/../.." && pwd)
 # The interpreter's real path: a pyenv shim costs seconds per start in the guest.
 python=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')
 cd "$repo"
-exec "$here/rxe_vm.sh" "bash tests/rdma/guest_setup.sh && $python -m pytest -q -rs -p no:cacheprovider tests/rdma $*"
+args=
+if [ $# -gt 0 ]; then args=$(printf ' %q' "$@"); fi
+exec "$here/rxe_vm.sh" "bash tests/rdma/guest_setup.sh && $python -m pytest -q -rs -p no:cacheprovider tests/rdma$args"

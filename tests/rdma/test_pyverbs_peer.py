@@ -106,7 +106,8 @@ def _pyverbs_rank(store):
     attr.ah_attr = AHAttr(gr=GlobalRoute(dgid=dest, sgid_index=path.gid_index, hop_limit=64), is_global=1,
                           port_num=path.port)
     qp.to_init(attr)
-    qp.post_recv(RecvWR(wr_id=1, num_sge=0))  # for rank 0's signal
+    # For rank 0's signal; a WRITE WITH IMMEDIATE places nothing through it (pyverbs wants one SGE anyway).
+    qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)]))
     qp.to_rts(attr)
     store.set(f"{prefix}/connected/1", "1")
     _wait(store, [f"{prefix}/connected/0"], "rank 0 to connect")
@@ -135,8 +136,8 @@ def _pyverbs_rank(store):
     send.write(payload, len(payload), area_offset(BUFFER, 0, 1))
     write(call_word_offset(BUFFER, 1), 4)
     write(area_offset(BUFFER, 0, 1), len(payload))
-    signal = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=0, send_flags=e.IBV_SEND_SIGNALED)
-    signal.imm_data = socket.htonl(0)  # our first signal to rank 0
+    signal = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)],
+                    imm_data=socket.htonl(0), send_flags=e.IBV_SEND_SIGNALED)  # zero bytes; our first signal
     signal.set_wr_rdma(rkey, addr)
     post_and_complete(signal)
 

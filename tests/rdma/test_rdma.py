@@ -118,19 +118,22 @@ def _peer_vanishes(store, rank, world):
     if rank == 1:
         comm.close()
         all_arrived(store, world, "closed")
+        all_arrived(store, world, "done")  # alive until rank 0 is done: its watchdog must not see us end
         return None
     all_arrived(store, world, "closed")
     start = time.monotonic()
     with pytest.raises(rocenante.RocenanteError) as err:
         comm.all_reduce(torch.ones(16))
-    return type(err.value).__name__, str(err.value), time.monotonic() - start
+    elapsed = time.monotonic() - start
+    all_arrived(store, world, "done")
+    return type(err.value).__name__, str(err.value), elapsed
 
 
 def test_write_to_a_vanished_queue_pair_fails_naming_the_peer_and_verbs_status():
     kind, message, elapsed = expect_ok(run(2, _peer_vanishes))[0]
     assert kind == "PeerAbortedError", message
     assert re.search(r"an RDMA write to rank 1 failed: .*retry.*\(verbs status 12\)", message), message
-    assert elapsed < 15.0, f"took {elapsed:.1f} s (retransmission budget about 2.1 s)"
+    assert elapsed < 15.0, f"took {elapsed:.1f} s (retransmission budget about 1.9 s)"
 
 
 # (environment, what happens): setup errors name the device (and the peer), never a silent fallback.
@@ -205,7 +208,7 @@ def _cycles(store, rank, world, n):
 
 
 def test_create_destroy_cycles_leak_no_queue_pair_or_registration():
-    results = expect_ok(run(2, _cycles, 20))
+    results = expect_ok(run(2, _cycles, 10))
     for rank, ((res0, maps0), (res1, maps1)) in enumerate(results):
-        assert res1 == res0, f"rank {rank}: RDMA resources before {res0}, after 20 cycles {res1}"
-        assert maps1 == maps0, f"rank {rank}: {maps1 - maps0} more memory maps after 20 cycles"
+        assert res1 == res0, f"rank {rank}: RDMA resources before {res0}, after 10 cycles {res1}"
+        assert maps1 == maps0, f"rank {rank}: {maps1 - maps0} more memory maps after 10 cycles"
