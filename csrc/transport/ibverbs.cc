@@ -135,8 +135,7 @@ constexpr uint8_t kAckTimeout = 16;
 constexpr uint8_t kRetryCount = 6;
 constexpr double kRetryBudgetS = (kRetryCount + 1) * 4.096e-6 * (1 << kAckTimeout);
 // The NIC reports every posted write within the retry budget; waiting four times as long before calling the
-// peer unreachable only guards against a NIC or driver that stopped reporting (SoftRoCE in an emulated VM
-// reports late).
+// peer unreachable only guards against a NIC or driver that stopped reporting.
 constexpr double kCompletionWaitS = 4 * kRetryBudgetS;
 // Hop limit of the RoCE v2 (routed, UDP/IP) packets' IP header: the IPv4 TTL, generous for any fabric.
 constexpr uint8_t kHopLimit = 64;
