@@ -67,24 +67,34 @@ def _devices_with_pyverbs(report: Report, sysfs: list[_ib.Port]) -> dict:
         return {}
     for dev in devices:
         name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
-        with Context(name=name) as ctx:
-            attr = ctx.query_device()
-            report.say(f"{name}: {attr.phys_port_cnt} port(s), firmware {attr.fw_ver.decode() if isinstance(attr.fw_ver, bytes) else attr.fw_ver}")
-            for port in range(1, attr.phys_port_cnt + 1):
-                pa = ctx.query_port(port)
-                mtu = _MTU.get(pa.active_mtu, 0)
-                mtus[(name, port)] = mtu
-                report.say(f"  port {port}: {_STATE.get(pa.state, pa.state)}, link layer {_LINK.get(pa.link_layer, pa.link_layer)}, "
-                           f"active MTU {mtu}, max MTU {_MTU.get(pa.max_mtu, 0)}, {pa.gid_tbl_len} GID entries")
-                for index in range(pa.gid_tbl_len):
-                    try:
-                        gid = str(ctx.query_gid(port, index))
-                    except Exception:
-                        continue
-                    if gid.replace(":", "").strip("0"):
-                        kind = types.get((name, port), {}).get(index, "?")
-                        report.say(f"    GID {index}: {gid} ({kind})")
+        try:
+            _list_device(report, Context, name, types, mtus)
+        except Exception as err:  # report it and go on with the other devices
+            report.warn(f"{name}: pyverbs could not query it: {type(err).__name__}: {err}")
     return mtus
+
+
+def _list_device(report: Report, Context, name: str, types: dict, mtus: dict) -> None:
+    with Context(name=name) as ctx:
+        attr = ctx.query_device()
+        firmware = getattr(attr, "fw_version", "?")
+        firmware = firmware.decode() if isinstance(firmware, bytes) else firmware
+        report.say(f"{name}: {attr.phys_port_cnt} port(s), firmware {firmware}")
+        for port in range(1, attr.phys_port_cnt + 1):
+            pa = ctx.query_port(port)
+            mtu = _MTU.get(pa.active_mtu, 0)
+            mtus[(name, port)] = mtu
+            report.say(f"  port {port}: {_STATE.get(pa.state, pa.state)}, link layer {_LINK.get(pa.link_layer, pa.link_layer)}, "
+                       f"active MTU {mtu}, max MTU {_MTU.get(pa.max_mtu, 0)}, {pa.gid_tbl_len} GID entries")
+            for index in range(pa.gid_tbl_len):
+                try:
+                    found = ctx.query_gid(port, index)
+                except Exception:  # an empty entry, on some providers
+                    continue
+                gid = str(getattr(found, "gid", found))
+                if gid.replace(":", "").strip("0"):
+                    kind = types.get((name, port), {}).get(index, "?")
+                    report.say(f"    GID {index}: {gid} ({kind})")
 
 
 def _check_ports(report: Report, sysfs: list[_ib.Port], mtus: dict) -> None:

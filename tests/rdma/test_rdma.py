@@ -9,6 +9,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -212,3 +213,15 @@ def test_create_destroy_cycles_leak_no_queue_pair_or_registration():
     for rank, ((res0, maps0), (res1, maps1)) in enumerate(results):
         assert res1 == res0, f"rank {rank}: RDMA resources before {res0}, after 10 cycles {res1}"
         assert maps1 == maps0, f"rank {rank}: {maps1 - maps0} more memory maps after 10 cycles"
+
+
+def test_doctor_lists_the_devices_and_the_choice():
+    run = subprocess.run([sys.executable, "-m", "rocenante.doctor"], capture_output=True, text=True, timeout=300)
+    assert run.returncode in (0, 1), run.stdout + run.stderr  # 1: warnings (SoftRoCE's MTU is 1024)
+    out = run.stdout
+    assert "pyverbs could not query" not in out and "pyverbs is missing" not in out, out
+    for device in [p.device for p in _ib.scan() if p.state == "ACTIVE"]:
+        assert f"{device}: 1 port(s)" in out and "GID 1: 0000:0000:0000:0000:0000:ffff:" in out, out
+    assert re.search(r"rank 0: RDMA to rank 1 over \S+ port 1, GID \d+ \(", out), out
+    if "active MTU 1024" in out:
+        assert "active MTU 1024 below 4096" in out, out
