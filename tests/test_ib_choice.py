@@ -161,7 +161,7 @@ def _build_with_host(store, rank, world, hosts, nets):
 @pytest.mark.parametrize("hosts, nets, words", [
     (["a", "a", "b"], ["", "", ""], "ranks [0, 1] share a host while other ranks are elsewhere: mixing shared-memory "
                                     "and RDMA peers in one communicator is not supported yet"),
-    (["a", "a", "a"], ["ib", "", "ib"], "ranks disagree on ROCENANTE_NET: {0: 'ib', 1: '', 2: 'ib'}"),
+    (["a", "a", "a"], ["ib", "", "ib"], "ranks disagree on ROCENANTE_NET: rank 0 'ib', rank 1 '', rank 2 'ib'"),
     (["a", "b", "c"], ["", "", ""], "no usable RDMA port"),  # each on a host of its own: RDMA, which is absent here
     (["a", "a", "a"], ["", "", ""], "built"),
 ])

@@ -89,6 +89,20 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# A host record is "host|net|nonce" (_choose_net); a host id is at most this long (a host name is <= 64 bytes,
+# a boot id 36).
+_MAX_HOST_ID = 256
+
+
+def _parse_host_record(rank: int, raw: bytes) -> tuple[str, str]:
+    """Rank `rank`'s host record, as read from the store: anything may have written it, so it is checked."""
+    fields = raw.decode("utf-8", "replace").split("|")
+    if len(fields) != 3 or not fields[0] or len(fields[0]) > _MAX_HOST_ID or not fields[0].isprintable() \
+            or fields[1] not in ("", "ib"):
+        raise _C.RocenanteError(f"rank {rank} published a host record of {len(raw)} bytes that is not rocenante's")
+    return fields[0], fields[1]
+
+
 class Communicator:
     """One-shot all-reduce among `world_size` processes: of one host (shared memory, CUDA IPC), or each on a
     host of its own, CPU tensors only for now (RDMA over RoCE v2; ``ROCENANTE_NET=ib`` forces RDMA on one host).
@@ -192,10 +206,14 @@ class Communicator:
         self._claim(store, f"{prefix}/host/{self.rank}", f"{_host_id()}|{forced}|{id(self)}")
         keys = [f"{prefix}/host/{r}" for r in range(self.world_size)]
         _wait_for_ranks(store, prefix, keys, self.world_size, self.timeout_s, "publish its host")
-        seen = [store.get(k).decode("utf-8", "backslashreplace").split("|") + ["", ""] for k in keys]
-        hosts, nets = [s[0] for s in seen], [s[1] for s in seen]
+        hosts, nets = [], []
+        for r, key in enumerate(keys):
+            host, net = _parse_host_record(r, store.get(key))
+            hosts.append(host)
+            nets.append(net)
         if len(set(nets)) > 1:
-            raise _C.RocenanteError(f"ranks disagree on ROCENANTE_NET: {dict(enumerate(nets))}; set it alike everywhere")
+            values = ", ".join(f"rank {r} {n!r}" for r, n in enumerate(nets))
+            raise _C.RocenanteError(f"ranks disagree on ROCENANTE_NET: {values}; set it alike everywhere")
         if forced == "ib":
             if self.rank == 0:
                 print("rocenante: ROCENANTE_NET=ib: every peer is reached by RDMA, also those on this host",
