@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "communicator.h"
 #include "errors.h"
 
@@ -58,6 +60,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
   m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
+  m.attr("with_ibverbs") = rocenante::kWithIbverbs;
 
   // The wire format of layout.h, for tests that play a peer by writing a region by hand.
   auto wire = m.def_submodule("wire", "offsets and words of csrc/layout.h (protocol v2)");
@@ -77,8 +80,14 @@ PYBIND11_MODULE(_C, m) {
   wire.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
 
   py::class_<Communicator>(m, "Communicator")
-      .def(py::init<int, int, int, size_t, double, rocenante::OnFault>(), py::arg("rank"), py::arg("world"),
-           py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"), py::arg("on_fault"))
+      .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
+                       rocenante::OnFault on_fault, const std::vector<std::tuple<std::string, int, int>>& rdma_paths) {
+             std::vector<rocenante::IbPath> paths;
+             for (const auto& [dev, port, gid] : rdma_paths) paths.push_back({dev, port, gid});
+             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, paths);
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
+           py::arg("on_fault"), py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{})
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       .def("connect", &Communicator::connect, py::arg("handles"))
       .def("all_connected", &Communicator::all_connected)

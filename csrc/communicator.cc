@@ -148,6 +148,7 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kPeerExited: return "rank " + peer + "'s process ended";
     case Fault::kRefused: return "rank " + peer + " refused a call for a reason only it could see";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
+    case Fault::kTransport: return "its RDMA write to rank " + peer + " failed";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
     case Fault::kNone: break;
   }
@@ -158,7 +159,8 @@ std::string abort_reason(uint32_t cause) {
 
 InterruptCheck Communicator::interrupt_check_ = nullptr;
 
-Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault)
+Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
+                           const std::vector<IbPath>& rdma_paths)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, pidfds_(world, -1) {
   if (world < 1 || world > kMaxRanks)
@@ -172,7 +174,12 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
-  if (device_ < 0) {
+  if (!rdma_paths.empty()) {
+    if (device_ >= 0)
+      ROCENANTE_THROW(InvalidArgument, "rank " + std::to_string(rank) + ": GPU tensors over RDMA are not supported yet "
+                                       "(they come with RDMA part 2/2); use CPU tensors, or keep every rank on one host");
+    transport_ = make_ibverbs_transport(rank, layout_, rdma_paths);
+  } else if (device_ < 0) {
     transport_ = make_shm_transport(rank, layout_);
   } else {
     kernel_ = make_oneshot_kernel(device_, world_);
@@ -272,7 +279,8 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
       if (kernel_->launch(a, stream)) captured_ = true;
       continue;
     }
-    const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
+    const uint64_t fault =
+        host_allreduce(a, epoch, reset_span_, interrupt_check_, transport_->remote() ? transport_.get() : nullptr);
     reset_span_ = span_bytes(a.bytes, dtype);
     if (fault == 0) continue;
     // Poison what later pieces would have computed, as host_allreduce did for the rest of this one.
@@ -392,6 +400,9 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
     case Fault::kRefused: break;  // recorded with its words (refuse())
     case Fault::kInterrupted:
       return where + "interrupted by a signal while waiting for peers; they were told" + closed;
+    case Fault::kTransport:
+      return where + "an RDMA write to rank " + std::to_string(detail) + " failed: " +
+             transport_status(fault_value(fault)) + closed;
     case Fault::kNone: break;
   }
   return where + "unknown fault " + std::to_string(fault) + closed;

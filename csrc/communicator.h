@@ -27,9 +27,11 @@ class Communicator {
   // it: in nanoseconds, added to any clock the waits read (%globaltimer counts from 1970), it cannot overflow.
   static constexpr double kMaxTimeoutS = 1e9;
 
-  // device < 0: CPU memory (shared-memory transport); otherwise the CUDA device ordinal.
-  // timeout_s > 0, clamped to kMaxTimeoutS.
-  Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault);
+  // device < 0: CPU memory; otherwise the CUDA device ordinal. rdma_paths empty: every peer on this host
+  // (shared memory, CUDA IPC); else one path per rank (its own entry unused) and every peer is reached by RDMA
+  // (CPU memory only, for now). timeout_s > 0, clamped to kMaxTimeoutS.
+  Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
+               const std::vector<IbPath>& rdma_paths = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -27,6 +27,7 @@
 
 #include "allreduce_args.h"
 #include "chunk_reduce.h"
+#include "transport/transport.h"
 
 namespace rocenante {
 namespace {
@@ -385,9 +386,50 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
   return 0;
 }
 
+// Remote transports (transport.h): carries this call's call word and area from the image to every peer, at the
+// offsets they have in that peer's region, and waits until they landed. The area goes whole (span_bytes()):
+// for int32 that includes lines of the last group this call did not write, which the receiver never reads and
+// resets with the rest of the span.
+uint64_t deliver_call(const AllReduceArgs& a, int buffer, Transport& remote) {
+  const size_t span = span_bytes(a.bytes, a.dtype);
+  for (int p = 0; p < a.world; ++p) {
+    if (p == a.rank) continue;
+    remote.deliver(p, kCallWordsOffset + (size_t(buffer) * kMaxRanks + a.rank) * sizeof(uint32_t), sizeof(uint32_t));
+    remote.deliver(p, a.layout.area_offset(buffer, p, a.rank), span);
+  }
+  const uint64_t fault = remote.delivered();
+  // A peer that aborted (and closed its queue pairs) makes our writes fail: its abort word, already in our
+  // header, names the root cause.
+  if (fault != 0)
+    if (const uint64_t aborted = abort_seen(a, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
+      return aborted;
+  return fault;
+}
+
+// Remote transports: waits until every peer's delivery of this call has arrived whole (transport.h), so that
+// the pull reads complete words. Returns 0 or the fault that ended the wait.
+uint64_t wait_arrivals(const AllReduceArgs& a, InterruptCheck interrupted, Transport& remote) {
+  for (int s = 0; s < a.world; ++s) {
+    if (s == a.rank) continue;
+    uint64_t broken = 0;
+    const uint64_t fault = wait_for(a, s, interrupted, [&] { return remote.arrived(s, broken) || broken != 0; });
+    if (broken != 0) return broken;
+    if (fault_kind(fault) == Fault::kPeerTimeout) {
+      uint32_t missing = 0;  // name every peer still missing, not only the first one we waited for
+      for (int t = s; t < a.world; ++t)
+        if (t != a.rank && !remote.arrived(t, broken)) missing |= 1u << t;
+      return encode_fault(Fault::kPeerTimeout, missing, 0);
+    }
+    if (fault != 0) return fault;
+  }
+  remote.consume_arrivals();
+  return 0;
+}
+
 }  // namespace
 
-uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_span, InterruptCheck interrupted) {
+uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_span, InterruptCheck interrupted,
+                        Transport* remote) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
@@ -399,6 +441,8 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     if (p != a.rank) store_word(call_word(a.peer[p], buffer, a.rank), call);
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call, chunks); });
 
+  uint64_t fault = remote != nullptr ? deliver_call(a, buffer, *remote) : 0;
+
   const int previous = previous_buffer(epoch);
   for (int s = 0; s < a.world; ++s) {
     if (s == a.rank) continue;
@@ -407,9 +451,10 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     for (size_t i = 0; i < reset_span / kChunkBytes; ++i) put_chunk(stale + i * 4, kEmptyChunk);
   }
 
-  uint64_t fault = 0;
+  if (remote != nullptr && fault == 0) fault = wait_arrivals(a, interrupted, *remote);
   size_t done = 0;
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
+  if (fault == 0)
+    dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
   if (fault != 0) {
     const uint32_t poison = poison_word(a.dtype);
     for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))

@@ -20,11 +20,13 @@
 //     that is not kEmpty has arrived. A rank reduces its own input sanitized the same way, or ranks would
 //     disagree on the sign of a zero (max/min) — so rocenante never returns -0.0 where the exact result is -0.0
 //     (sums of -0.0, max/min of zeros), a documented loss. NaN payloads are never kEmpty and pass unchanged.
-//     We rely on each aligned 32-bit word being written whole (true of NVLink and PCIe stores, CPU stores of
-//     aligned words, and an RDMA NIC's DMA writes), never on the order in which words land.
+//     We rely on each aligned 32-bit word being written whole (true of NVLink and PCIe stores and CPU stores of
+//     aligned words), never on the order in which words land. RDMA gives no such promise (SoftRoCE under an
+//     emulated CPU placed a word half written), so over RDMA a rank reads a peer's words only after that
+//     peer's delivery signal arrived (transport.h, ibverbs.cc).
 //   kLines (int32): 0x80000000 is INT32_MIN, a legal value, so int32 cannot use a sentinel (remapping it would
 //     be a silent wrong answer). It travels in 16-byte lines {data0, flag, data1, flag}; each 8-byte half
-//     {data, flag} is written whole (as NCCL's LL protocol assumes over NVLink, PCIe and RDMA alike), so a half
+//     {data, flag} is written whole (as NCCL's LL protocol assumes over NVLink and PCIe; RDMA: as above), so a half
 //     whose flag is the call word holds this call's data. A line carries 8 payload bytes, so int32 calls carry
 //     at most capacity_bytes / 2 per piece.
 // Calls larger than a piece (piece_bytes()) are split by the communicator; each piece is one call here.
@@ -49,10 +51,11 @@
 //     write other words, but a mismatch closes the communicator for good.
 //   - Two buffers would not do: a peer may start call e + 1 (writing buffer (e + 1) % 2 = (e - 1) % 2) as soon as
 //     it has our data of call e, before we have reset that buffer during call e.
-//   - Shared memory and CUDA IPC stores are placed exactly once. An RDMA NIC writing into host memory for the
-//     sender places words in any order (fine: every word validates itself); a retransmitted packet can repeat a
-//     write only until the sender's work request completes, and the sender waits for the completion of its
-//     writes of call e before it posts those of call e + 1 (transport's argument beside its code).
+//   - Shared memory and CUDA IPC stores are placed exactly once. Over RDMA a retransmitted packet can repeat a
+//     write only until the sender's work request completes (a later duplicate is acknowledged, not executed),
+//     the sender waits for the completion of its writes of call e before it posts those of call e + 1, and
+//     the receiver reads call e's words only after the sender's signal of call e: the argument in full, with
+//     its sources, is beside the transport (csrc/transport/ibverbs.cc).
 // That argument needs calls to execute in the order every rank issued them: the communicator orders each call
 // after the previous one whatever stream or thread issues it (communicator.cc).
 //
@@ -194,6 +197,7 @@ enum class Fault : uint32_t {
   kPeerExited = 4,    // detail: the peer whose process ended (seen by this rank's watchdog)
   kRefused = 5,       // detail: the rank that refused a call for a reason only it could see
   kInterrupted = 6,   // detail: the rank whose wait a signal (Ctrl-C) interrupted
+  kTransport = 7,     // detail: the peer a delivery to failed; value: the verbs completion status (ibverbs.cc)
 };
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;

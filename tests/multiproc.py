@@ -26,14 +26,16 @@ def _entry(fn, rank, world, store_path, args, queue):
         queue.put((rank, "error", (type(err).__name__, str(err), traceback.format_exc())))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spawn") -> list:
     """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
+    context="fork" skips the children's imports (in the SoftRoCE VM, importing torch takes a minute); only for
+    a parent that has started no threads and opened no RDMA device.
 
     An exception on any rank is returned as ("error", type name, message, traceback) in that rank's place;
     processes still running after `timeout` seconds are killed and reported as ("hung",), and those that
     exited without reporting as ("died", exit code).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(context)
     queue = ctx.Queue()
     results: list = [("hung",)] * world
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rocenante
-from rocenante import _C
+from rocenante import _C, communicator
 from multiproc import expect_ok, run_ranks
 
 CAPACITY = 4096
@@ -140,9 +140,11 @@ def store(tmp_path_factory):
 
 
 @settings(max_examples=1000, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(key=st.sampled_from(["handle", "failed"]), value=st.binary(max_size=20000))
+@given(key=st.sampled_from(["handle", "failed", "host"]), value=st.binary(max_size=20000))
 def test_fuzz_rendezvous_never_crashes(store, key, value):
     name = f"fuzz{next(_names)}"
+    if key != "host":  # the peer's host record comes first: a well-formed one, this host's
+        store.set(f"rocenante/{name}/2/0/host/1", f"{communicator._host_id()}||peer")
     store.set(f"rocenante/{name}/2/0/{key}/1", value)
     start = time.monotonic()
     with pytest.raises(rocenante.RocenanteError) as err:

@@ -43,8 +43,15 @@ def _in_small_shm(script: str) -> subprocess.CompletedProcess:
 
 
 def _full_shm(store, rank, world, capacity):
-    if rank == 1:
-        time.sleep(1.0)  # rank 0 has tried to reserve its region by now
+    if rank == 1:  # regions are reserved after the ranks' host round: rank 1 reserves 1 s after it
+        wait_for_ranks = rendezvous._wait_for_ranks
+
+        def late(*args):
+            wait_for_ranks(*args)
+            if args[-1] == "publish its host":
+                time.sleep(1.0)  # rank 0 has tried to reserve its region by now
+
+        rendezvous._wait_for_ranks = late
     start = time.monotonic()
     try:
         comm = rocenante.Communicator(store, rank, world, capacity_bytes=capacity, timeout_s=60)
@@ -91,15 +98,20 @@ def _dies_before_connecting(store, rank, world):
     if rank == 0:
 
         def announce(*args):
-            store.set("rank 0 built", "1")
+            if args[-1] == "publish its handle":  # its segment exists from here on (the host round comes first)
+                store.set("rank 0 built", "1")
             return wait_for_ranks(*args)
 
         rendezvous._wait_for_ranks = announce
     else:
-        store.wait(["rank 0 built"])  # building a segment removes dead ranks' segments: rank 0's comes first
         store.set("victim pid", str(os.getpid()))
 
         def die(*args):
+            if args[-1] == "publish its host":
+                wait_for_ranks(*args)
+                # Building a segment removes dead ranks' segments: rank 0's comes first.
+                store.wait(["rank 0 built"])
+                return None
             os._exit(0)  # its handle is published: its segment is in /dev/shm
 
         rendezvous._wait_for_ranks = die

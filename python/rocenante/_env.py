@@ -101,3 +101,35 @@ def strict() -> bool:
 def vllm() -> bool:
     """ROCENANTE_VLLM=1: the vLLM plugin (rocenante.vllm) makes vLLM build rocenante's communicator."""
     return _flag("ROCENANTE_VLLM")
+
+
+def net() -> str:
+    """ROCENANTE_NET: "" (default: peers on this host through shared memory / CUDA IPC, peers on other hosts
+    through RDMA) or "ib": every peer through RDMA, also on this host (tests in one VM, checking a node's NIC)."""
+    raw = os.environ.get("ROCENANTE_NET", "").strip().lower()
+    if raw not in ("", "ib"):
+        raise ValueError(f"ROCENANTE_NET={raw!r}: use ib, or leave it unset")
+    return raw
+
+
+def ib_hca():
+    """ROCENANTE_IB_HCA, else NCCL_IB_HCA: the RDMA devices (and ports) to use, in NCCL's syntax
+    ("mlx5_0:1,mlx5_1", "=exact", "^excluded"). None when neither is set."""
+    from rocenante import _ib
+
+    for name in ("ROCENANTE_IB_HCA", "NCCL_IB_HCA"):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            return _ib.parse_hca(raw, name)
+    return None
+
+
+def ib_gid_index():
+    """ROCENANTE_IB_GID_INDEX, else NCCL_IB_GID_INDEX: (index, variable) when one is set, else (None, "")."""
+    for name in ("ROCENANTE_IB_GID_INDEX", "NCCL_IB_GID_INDEX"):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            if not raw.isdigit() or int(raw) > 255:
+                raise ValueError(f"{name}={raw!r}: use a GID table index, 0..255")
+            return int(raw), name
+    return None, ""

@@ -3,13 +3,15 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from rocenante import _C, _env
+from rocenante import _C, _env, _ib
 
 _DTYPES = {
     torch.float32: _C.DType.float32,
@@ -76,8 +78,34 @@ def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeou
         pause = min(pause * 2, 0.05)
 
 
+def _host_id() -> str:
+    """Which machine this process runs on: the host name and the kernel's boot id, so that two machines
+    sharing a host name are told apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+# A host record is "host|net|nonce" (_choose_net); a host id is at most this long (a host name is <= 64 bytes,
+# a boot id 36).
+_MAX_HOST_ID = 256
+
+
+def _parse_host_record(rank: int, raw: bytes) -> tuple[str, str]:
+    """Rank `rank`'s host record, as read from the store: anything may have written it, so it is checked."""
+    fields = raw.decode("utf-8", "replace").split("|")
+    if len(fields) != 3 or not fields[0] or len(fields[0]) > _MAX_HOST_ID or not fields[0].isprintable() \
+            or fields[1] not in ("", "ib"):
+        raise _C.RocenanteError(f"rank {rank} published a host record of {len(raw)} bytes that is not rocenante's")
+    return fields[0], fields[1]
+
+
 class Communicator:
-    """One-shot all-reduce among `world_size` processes of one host.
+    """One-shot all-reduce among `world_size` processes: of one host (shared memory, CUDA IPC), or each on a
+    host of its own, CPU tensors only for now (RDMA over RoCE v2; ``ROCENANTE_NET=ib`` forces RDMA on one host).
 
     Build it on every rank with the same store (TCPStore, FileStore, or the store of an existing process
     group), or from a process group with ``Communicator(group=pg)``. ``device`` is ``"cpu"`` (shared memory)
@@ -139,7 +167,18 @@ class Communicator:
         try:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
             on_fault = _C.OnFault.abort if _env.on_fault() == "abort" else _C.OnFault.raise_
-            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault)
+            self.net = self._choose_net(store, prefix)
+            paths = []
+            if self.net == "ib":
+                if self.device.type != "cpu":
+                    raise ValueError(f"rank {rank}: GPU tensors over RDMA are not supported yet (RDMA part 2/2); "
+                                     "use CPU tensors, or keep every rank on one host")
+                gid_index, gid_source = _env.ib_gid_index()
+                chosen = _ib.choose_paths(rank, world_size, _ib.scan(), _env.ib_hca(), gid_index, gid_source or
+                                          "ROCENANTE_IB_GID_INDEX")
+                _ib.log_once(rank, chosen)
+                paths = [(p.device, p.port, p.gid_index) if p is not None else ("", 0, 0) for p in chosen]
+            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, paths)
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
@@ -148,15 +187,51 @@ class Communicator:
                 self._c.close()
             raise
 
-    def _rendezvous(self, store, prefix: str) -> None:
-        world = self.world_size
-        handle = self._c.local_handle()  # unique to this instance (a random shared memory name, a CUDA IPC handle)
-        # Set only if unset: another handle there means another communicator took this name and rank.
-        if store.compare_set(f"{prefix}/handle/{self.rank}", "", handle) != handle:
+    def _claim(self, store, key: str, value) -> None:
+        """Sets this rank's key, only if unset: another value there means another communicator took this name
+        and rank."""
+        value = value.encode() if isinstance(value, str) else value
+        if store.compare_set(key, "", value) != value:
             raise _C.RocenanteError(
                 f"rank {self.rank} of communicator {self.name!r}: another communicator named {self.name!r} is "
                 "being built on this store at the same time (give each communicator a distinct name)"
             )
+
+    def _choose_net(self, store, prefix: str) -> str:
+        """"shm" when every rank is on this host, "ib" (RDMA) when every rank is on a host of its own or
+        ROCENANTE_NET=ib. Every rank publishes its host and setting, so all decide alike."""
+        forced = _env.net()
+        if self.world_size == 1:
+            return "shm"
+        self._claim(store, f"{prefix}/host/{self.rank}", f"{_host_id()}|{forced}|{id(self)}")
+        keys = [f"{prefix}/host/{r}" for r in range(self.world_size)]
+        _wait_for_ranks(store, prefix, keys, self.world_size, self.timeout_s, "publish its host")
+        hosts, nets = [], []
+        for r, key in enumerate(keys):
+            host, net = _parse_host_record(r, store.get(key))
+            hosts.append(host)
+            nets.append(net)
+        if len(set(nets)) > 1:
+            values = ", ".join(f"rank {r} {n!r}" for r, n in enumerate(nets))
+            raise _C.RocenanteError(f"ranks disagree on ROCENANTE_NET: {values}; set it alike everywhere")
+        if forced == "ib":
+            if self.rank == 0:
+                print("rocenante: ROCENANTE_NET=ib: every peer is reached by RDMA, also those on this host",
+                      file=sys.stderr, flush=True)
+            return "ib"
+        if len(set(hosts)) == 1:
+            return "shm"
+        if len(set(hosts)) == len(hosts):
+            return "ib"
+        shared = sorted(r for r, h in enumerate(hosts) if hosts.count(h) > 1)
+        raise _C.RocenanteError(
+            f"ranks {shared} share a host while other ranks are elsewhere: mixing shared-memory and RDMA peers in "
+            "one communicator is not supported yet; set ROCENANTE_NET=ib to reach every peer by RDMA")
+
+    def _rendezvous(self, store, prefix: str) -> None:
+        world = self.world_size
+        handle = self._c.local_handle()  # unique to this instance (a random shared memory name, a CUDA IPC handle)
+        self._claim(store, f"{prefix}/handle/{self.rank}", handle)
         keys = [f"{prefix}/handle/{r}" for r in range(world)]
         _wait_for_ranks(store, prefix, keys, world, self.timeout_s, "publish its handle")
         self._c.connect([store.get(k) for k in keys])

@@ -70,9 +70,13 @@ def disagreement(checks: list) -> Optional[str]:
     failed = [f"rank {r}: {c['why']}" for r, c in enumerate(checks) if not c["ok"]]
     if failed:
         return "; ".join(failed)
-    hosts = {c["host"] for c in checks}
-    if len(hosts) > 1:
-        return f"ranks span {len(hosts)} hosts ({', '.join(sorted(hosts))}); rocenante needs one host"
+    hosts = [c["host"] for c in checks]
+    if len(set(hosts)) > 1:
+        span = f"ranks span {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))})"
+        if checks[0]["device"] != "cpu":
+            return f"{span}: GPU tensors across hosts come with RDMA part 2/2"
+        if len(set(hosts)) < len(hosts) and not _env.net():
+            return f"{span}, some with several ranks: mixing shared memory and RDMA is not supported yet (ROCENANTE_NET=ib)"
     gpus = [c.get("gpu") for c in checks]
     if gpus[0] is not None and len(set(gpus)) < len(gpus):
         shared = sorted({g for g in gpus if gpus.count(g) > 1})

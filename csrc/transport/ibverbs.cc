@@ -1,0 +1,607 @@
+// RDMA over RoCE v2 (libibverbs, CPU memory): one reliable-connected (RC) queue pair per peer.
+//
+// Memory, per transport: one anonymous mmap, page-aligned, holding
+//   region  (RegionLayout::region_bytes(), filled with initial_word(), registered with remote write: the peers'
+//            RDMA WRITEs land here),
+//   image   (the same size, local access only): what this rank writes "into a peer's region" is written here
+//            first, at the offset it has in that peer's region; peer_region(p) == image for every p. Peers
+//            never disagree about an offset's content: call words sit at the same offset in every region, and
+//            a rank's area sits at one of two offsets (below or above the receiver, layout.h), each written with
+//            the same bytes for every peer that uses it;
+//   staging (one 8-byte abort word per peer, local access only).
+// No relaxed ordering on any registration: the protocol needs no order among a call's writes (below), and
+// leaving it off keeps PCIe ordering the same as without RDMA for anything that may come to rely on it.
+//
+// Data path, per call (host_allreduce.cc): the host fills the image, deliver(p, offset, bytes) posts one RDMA
+// WRITE of image[offset, offset + bytes) to the same offset of p's region for each peer, and delivered() posts
+// one zero-length RDMA WRITE WITH IMMEDIATE per peer (its signal, carrying a per-peer sequence number) and
+// waits for the completions of all of them. The receiver reads a peer's bytes only after that signal's receive
+// completion: RC executes a QP's requests in order and reports a receive completion only once its message and
+// every earlier one have been placed, whereas the words themselves may land in pieces (SoftRoCE under an
+// emulated CPU copies byte by byte: a reader polling the words saw a flag half written). Abort words are 8-byte
+// RDMA WRITEs from staging[p] to abort[rank] of p's region, without a signal: their readers only ask "nonzero?".
+//
+// Why no stale, late or repeated RDMA write is ever taken for current data. Stated for protocol v2 (3 rotating
+// buffers; in call e a sender writes buffer e%3 of each peer's region and nothing else but abort words, and a
+// receiver resets buffer (e-1)%3 of its own region during call e); v1 (2 slots, receiver zeroes what it read)
+// is the same argument with one buffer less. For one sender p and one receiver r:
+//   1. p posts its writes of call e to r only after every write it posted to r before (call e-1's, its
+//      signal included) completed: delivered() returns only then, and calls are serialised per communicator.
+//   2. A completion at p means r's NIC acknowledged the request. An RC responder executes requests once each,
+//      in PSN order ("A responder shall execute SEND requests, RDMA WRITE requests and ATOMIC Operation requests
+//      in the message order in which they are received", IBTA vol. 1 rel. 1.4, p. 291), so when call e-1's
+//      signal completed at p, every byte p wrote in calls <= e-1 had been placed at r.
+//   3. A packet arriving after its request was acknowledged (a retransmitted or delayed copy) carries a PSN
+//      behind r's expected PSN: a duplicate, which the responder acknowledges again without executing it
+//      (IBTA C9-105, as applied by Linux rxe: drivers/infiniband/sw/rxe/rxe_resp.c, duplicate_request():
+//      "SEND. Ack again and cleanup. C9-105." for SEND and RDMA WRITE alike). So nothing of call e' lands at r
+//      after call e' completed at p, and r's reset of buffer (e-1)%3 during call e is final until p's call
+//      e+2, the next to write that buffer, which p posts only after its call e+1 completed (1).
+//   4. r reads p's words of call e only after p's signal of call e arrived (a receive completion, generated
+//      after the message and, by 2, all earlier ones were placed; NCCL's net_ib signals the same way, a
+//      0-byte RDMA_WRITE_WITH_IMM after the data). Since p writes buffer e%3 only in call e, and by 3 no
+//      older write lands there after r's reset, every non-empty word r reads there is p's call-e word, whole.
+//      The signal's immediate is p's count of signals to r; r checks it, so a lost or repeated signal is a
+//      fault, never a shifted call.
+//   5. Packets of an earlier communicator's queue pairs: a new queue pair starts at a random 24-bit PSN and
+//      accepts only the PSN it expects; a stray old packet matching it by chance still carries the old
+//      region's R_Key, which the new registration does not accept (a remote access error: a fault, not data).
+// What the protocol does NOT get from RDMA: atomicity of any word while a write lands (SoftRoCE under an
+// emulated CPU places byte by byte, and the IB specification promises nothing for RDMA WRITE placement), and
+// any order between writes of one call. Point 4 is why neither is needed here; a GPU polling RDMA-written words
+// directly (RDMA part 2/2) has to get them from somewhere else.
+// SoftRoCE (rxe) places data in order in software: tests on it cannot falsify an ordering assumption.
+#include <dlfcn.h>
+#include <infiniband/verbs.h>
+#include <arpa/inet.h>
+#include <sched.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include "../errors.h"
+#include "transport.h"
+
+namespace rocenante {
+namespace {
+
+// libibverbs, opened with dlopen so that rocenante imports and runs (shared memory, CUDA IPC) where rdma-core
+// is absent. Only exported functions are looked up; posting and polling go through the context's function
+// table (the inline ibv_post_send / ibv_poll_cq), which needs no symbol.
+struct Verbs {
+  decltype(&::ibv_get_device_list) get_device_list;
+  decltype(&::ibv_free_device_list) free_device_list;
+  decltype(&::ibv_get_device_name) get_device_name;
+  decltype(&::ibv_open_device) open_device;
+  decltype(&::ibv_close_device) close_device;
+  decltype(&::ibv_alloc_pd) alloc_pd;
+  decltype(&::ibv_dealloc_pd) dealloc_pd;
+  decltype(&::ibv_reg_mr) reg_mr;
+  decltype(&::ibv_dereg_mr) dereg_mr;
+  decltype(&::ibv_create_cq) create_cq;
+  decltype(&::ibv_destroy_cq) destroy_cq;
+  decltype(&::ibv_create_qp) create_qp;
+  decltype(&::ibv_destroy_qp) destroy_qp;
+  decltype(&::ibv_modify_qp) modify_qp;
+  decltype(&::ibv_query_gid) query_gid;
+  decltype(&::ibv_wc_status_str) wc_status_str;
+  // The exported ibv_query_port fills the leading, always-present fields of ibv_port_attr (the header's
+  // ibv_query_port is a macro around it).
+  int (*query_port)(ibv_context*, uint8_t, ibv_port_attr*);
+};
+
+const Verbs& verbs() {
+  static const Verbs v = [] {
+    void* lib = dlopen("libibverbs.so.1", RTLD_NOW | RTLD_GLOBAL);  // never closed: providers stay loaded
+    if (lib == nullptr)
+      ROCENANTE_THROW(Error, std::string("cannot load libibverbs.so.1 (") + dlerror() +
+                                 "): install rdma-core's libibverbs1 and ibverbs-providers");
+    Verbs v{};
+    const auto sym = [lib](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (fn == nullptr) ROCENANTE_THROW(Error, std::string("libibverbs.so.1 lacks ") + name + ": rdma-core too old");
+    };
+    sym(v.get_device_list, "ibv_get_device_list");
+    sym(v.free_device_list, "ibv_free_device_list");
+    sym(v.get_device_name, "ibv_get_device_name");
+    sym(v.open_device, "ibv_open_device");
+    sym(v.close_device, "ibv_close_device");
+    sym(v.alloc_pd, "ibv_alloc_pd");
+    sym(v.dealloc_pd, "ibv_dealloc_pd");
+    sym(v.reg_mr, "ibv_reg_mr");
+    sym(v.dereg_mr, "ibv_dereg_mr");
+    sym(v.create_cq, "ibv_create_cq");
+    sym(v.destroy_cq, "ibv_destroy_cq");
+    sym(v.create_qp, "ibv_create_qp");
+    sym(v.destroy_qp, "ibv_destroy_qp");
+    sym(v.modify_qp, "ibv_modify_qp");
+    sym(v.query_gid, "ibv_query_gid");
+    sym(v.wc_status_str, "ibv_wc_status_str");
+    sym(v.query_port, "ibv_query_port");
+    return v;
+  }();
+  return v;
+}
+
+// Retransmission: local ACK timeout 4.096 us x 2^16 = 268 ms per attempt, 6 retries: a peer whose NIC stops
+// answering (its process ended, its host went down) fails our next write after about 7 x 268 ms = 1.9 s
+// (IBV_WC_RETRY_EXC_ERR), while a lossless RoCE fabric never comes near one timeout. Not 7 retries: Linux rxe
+// treats a retry count of 7 as "retry forever" (drivers/infiniband/sw/rxe/rxe_comp.c), like the RNR count.
+constexpr uint8_t kAckTimeout = 16;
+constexpr uint8_t kRetryCount = 6;
+constexpr double kRetryBudgetS = (kRetryCount + 1) * 4.096e-6 * (1 << kAckTimeout);
+// The NIC reports every posted write within the retry budget; waiting four times as long before calling the
+// peer unreachable only guards against a NIC or driver that stopped reporting.
+constexpr double kCompletionWaitS = 4 * kRetryBudgetS;
+// Hop limit of the RoCE v2 (routed, UDP/IP) packets' IP header: the IPv4 TTL, generous for any fabric.
+constexpr uint8_t kHopLimit = 64;
+// Writes in flight per queue pair: one call's data writes and signal plus abort words, with room to spare.
+constexpr uint32_t kMaxSendWr = 16;
+// Receives posted per queue pair, one consumed by each signal: a peer is at most one call ahead (layout.h), so
+// at most two signals wait at a time.
+constexpr uint32_t kRecvDepth = 16;
+constexpr uint32_t kPsnMask = 0xFFFFFF;  // PSNs and QP numbers are 24-bit
+
+// What a peer needs to reach this rank's region over one queue pair; rank p's handle holds one per rank, and
+// rank q reads entry [q]. Fixed size, no implicit padding: it travels as raw bytes through the store.
+struct Endpoint {
+  uint8_t gid[16];
+  uint32_t qp_num;
+  uint32_t psn;
+  uint64_t addr;       // the region's address in the publisher's process
+  uint32_t rkey;       // the region's remote key on the device this queue pair uses
+  uint32_t mtu;        // enum ibv_mtu of the publisher's port (1 = 256 ... 5 = 4096)
+};
+static_assert(sizeof(Endpoint) == 40, "Endpoint travels as raw bytes: no implicit padding");
+struct HandleHeader {
+  uint32_t magic;
+  uint32_t world;
+  uint64_t region_bytes;
+};
+static_assert(sizeof(HandleHeader) == 16, "HandleHeader travels as raw bytes: no implicit padding");
+constexpr uint32_t kHandleMagic = 0x52494231;  // "RIB1"
+
+int mtu_bytes(uint32_t mtu) { return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128 << mtu : 0; }
+
+std::string hex_gid(const uint8_t (&gid)[16]) {
+  std::string s;
+  for (int i = 0; i < 16; ++i) {
+    if (i > 0 && i % 2 == 0) s += ':';
+    s += "0123456789abcdef"[gid[i] >> 4];
+    s += "0123456789abcdef"[gid[i] & 15];
+  }
+  return s;
+}
+
+// One opened RDMA device: protection domain, completion queue, and both registrations.
+struct Device {
+  std::string name;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_cq* cq = nullptr;       // completions of our writes
+  ibv_cq* recv_cq = nullptr;  // the peers' signals
+  ibv_mr* region_mr = nullptr;  // remote write
+  ibv_mr* send_mr = nullptr;    // image + staging: local only
+  int outstanding = 0;          // signalled writes posted on this device and not yet completed
+};
+
+struct PeerLink {
+  int device = -1;  // index into devices_
+  IbPath path;
+  ibv_qp* qp = nullptr;
+  Endpoint local{};
+  Endpoint remote{};
+  bool pending = false;    // delivered to since the last signal
+  uint32_t signals = 0;    // signals sent
+  uint32_t arrivals = 0;   // signals received (each carries the sender's count, checked)
+  uint32_t consumed = 0;   // arrivals the host path has used
+};
+
+class IbverbsTransport final : public Transport {
+ public:
+  IbverbsTransport(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths)
+      : rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), links_(layout.world) {
+    const Verbs& v = verbs();
+    if (int(paths.size()) != world_)
+      ROCENANTE_THROW(InvalidArgument, "expected one RDMA path per rank (" + std::to_string(world_) + "), got " +
+                                           std::to_string(paths.size()));
+    const size_t page = 4096;
+    staging_offset_ = 2 * bytes_;
+    block_bytes_ = (staging_offset_ + kMaxRanks * sizeof(uint64_t) + page - 1) / page * page;
+    void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
+    block_ = static_cast<char*>(block);
+    // Empty before any peer can write into it (layout.h); the image and staging start as zeros, which nothing
+    // reads before this rank wrote them.
+    for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
+    devices_.reserve(world_);
+    try {
+      std::random_device rd;
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_) continue;
+        PeerLink& l = links_[p];
+        l.path = paths[p];
+        l.device = open_device(paths[p], p);
+        Device& d = devices_[l.device];
+        check_port(d, paths[p], p, l.local);
+        ibv_qp_init_attr init{};
+        init.send_cq = d.cq;
+        init.recv_cq = d.recv_cq;
+        init.cap.max_send_wr = kMaxSendWr;
+        init.cap.max_recv_wr = kRecvDepth;  // receives take no data: a signal carries only its immediate
+        init.cap.max_send_sge = 1;
+        init.cap.max_recv_sge = 1;
+        init.qp_type = IBV_QPT_RC;
+        l.qp = v.create_qp(d.pd, &init);
+        if (l.qp == nullptr) fail_errno("create a queue pair on " + d.name, p);
+        ibv_qp_attr a{};
+        a.qp_state = IBV_QPS_INIT;
+        a.pkey_index = 0;
+        a.port_num = uint8_t(paths[p].port);
+        a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
+        if (const int err = v.modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+          fail_code("move the queue pair to INIT", p, err);
+        for (uint32_t i = 0; i < kRecvDepth; ++i)
+          if (const int err = post_receive(p)) fail_code("post a receive", p, err);
+        l.local.qp_num = l.qp->qp_num;
+        l.local.psn = rd() & kPsnMask;
+        l.local.addr = reinterpret_cast<uintptr_t>(block_);
+        l.local.rkey = d.region_mr->rkey;
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~IbverbsTransport() override { release(); }
+
+  std::string local_handle() const override {
+    const HandleHeader h{kHandleMagic, uint32_t(world_), bytes_};
+    std::string s(reinterpret_cast<const char*>(&h), sizeof(h));
+    for (const PeerLink& l : links_) s.append(reinterpret_cast<const char*>(&l.local), sizeof(Endpoint));
+    return s;
+  }
+
+  void connect(const std::vector<std::string>& handles) override {
+    const Verbs& v = verbs();
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      PeerLink& l = links_[p];
+      const std::string who = "rank " + std::to_string(rank_) + ": rank " + std::to_string(p);
+      const std::string& h = handles[p];
+      HandleHeader hh{};
+      if (h.size() != sizeof(HandleHeader) + size_t(world_) * sizeof(Endpoint))
+        ROCENANTE_THROW(Error, who + " published an RDMA handle of " + std::to_string(h.size()) + " bytes, expected " +
+                                   std::to_string(sizeof(HandleHeader) + world_ * sizeof(Endpoint)) +
+                                   " (is every rank using RDMA? ROCENANTE_NET must agree)");
+      std::memcpy(&hh, h.data(), sizeof(hh));
+      if (hh.magic != kHandleMagic || hh.world != uint32_t(world_) || hh.region_bytes != bytes_)
+        ROCENANTE_THROW(Error, who + " published an RDMA handle that does not match this rank's (magic, world or "
+                                     "region size differ)");
+      std::memcpy(&l.remote, h.data() + sizeof(HandleHeader) + size_t(rank_) * sizeof(Endpoint), sizeof(Endpoint));
+      const Endpoint& r = l.remote;
+      if (r.qp_num == 0 || r.qp_num > kPsnMask || r.psn > kPsnMask || r.addr == 0 || mtu_bytes(r.mtu) == 0 ||
+          std::all_of(std::begin(r.gid), std::end(r.gid), [](uint8_t b) { return b == 0; }))
+        ROCENANTE_THROW(Error, who + " published an impossible RDMA endpoint (queue pair " + std::to_string(r.qp_num) +
+                                   ", PSN " + std::to_string(r.psn) + ", MTU code " + std::to_string(r.mtu) +
+                                   ", GID " + hex_gid(r.gid) + ")");
+      const uint32_t mtu = std::min(l.local.mtu, r.mtu);
+      if (r.mtu != l.local.mtu)
+        std::fprintf(stderr, "rocenante: %s's port MTU is %d bytes, this rank's (%s port %d) %d: the path uses %d\n",
+                     who.c_str(), mtu_bytes(r.mtu), l.path.device.c_str(), l.path.port, mtu_bytes(l.local.mtu),
+                     mtu_bytes(mtu));
+
+      ibv_qp_attr a{};
+      a.qp_state = IBV_QPS_RTR;
+      a.path_mtu = ibv_mtu(mtu);
+      a.dest_qp_num = r.qp_num;
+      a.rq_psn = r.psn;
+      a.max_dest_rd_atomic = 1;
+      a.min_rnr_timer = 12;  // 0.64 ms; never used: nothing is sent with SEND
+      a.ah_attr.is_global = 1;  // RoCE: every packet carries a GRH (the UDP/IP header on RoCE v2)
+      std::memcpy(a.ah_attr.grh.dgid.raw, r.gid, 16);
+      a.ah_attr.grh.sgid_index = uint8_t(l.path.gid_index);
+      a.ah_attr.grh.hop_limit = kHopLimit;
+      a.ah_attr.port_num = uint8_t(l.path.port);
+      if (const int err = v.modify_qp(l.qp, &a,
+                                      IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+        fail_code("connect the queue pair (RTR, peer GID " + hex_gid(r.gid) + ")", p, err);
+      a = {};
+      a.qp_state = IBV_QPS_RTS;
+      a.timeout = kAckTimeout;
+      a.retry_cnt = kRetryCount;
+      a.rnr_retry = 7;
+      a.sq_psn = l.local.psn;
+      a.max_rd_atomic = 1;
+      if (const int err = v.modify_qp(l.qp, &a,
+                                      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+        fail_code("move the queue pair to RTS", p, err);
+    }
+  }
+
+  uint32_t* local_region() const override { return reinterpret_cast<uint32_t*>(block_); }
+  uint32_t* peer_region(int) const override { return reinterpret_cast<uint32_t*>(block_ + bytes_); }
+
+  bool remote() const override { return true; }
+
+  void deliver(int peer, size_t offset, size_t bytes) override {
+    links_[peer].pending = true;
+    if (bytes == 0) return;
+    post_write(peer, block_ + bytes_ + offset, offset, bytes, uint64_t(peer) << 1);
+  }
+
+  uint64_t delivered() override {
+    for (int p = 0; p < world_; ++p) {
+      PeerLink& l = links_[p];
+      if (!l.pending) continue;
+      l.pending = false;
+      ibv_send_wr wr{};
+      wr.wr_id = uint64_t(p) << 1;
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;  // zero bytes: only the immediate and its receive completion
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.imm_data = htonl(l.signals++);
+      wr.wr.rdma.remote_addr = l.remote.addr;
+      wr.wr.rdma.rkey = l.remote.rkey;
+      post(p, wr);
+    }
+    uint64_t fault = post_fault_;
+    post_fault_ = 0;
+    for (Device& d : devices_)
+      if (const uint64_t f = drain(d); fault == 0) fault = f;
+    return fault;
+  }
+
+  bool arrived(int peer, uint64_t& fault) override {
+    Device& d = devices_[links_[peer].device];
+    ibv_wc wc[8];
+    for (int n; (n = ibv_poll_cq(d.recv_cq, 8, wc)) != 0;) {
+      if (n < 0) {
+        fault = encode_fault(Fault::kTransport, uint32_t(peer), kPollFailed);
+        return false;
+      }
+      for (int i = 0; i < n; ++i) {
+        const int from = int(wc[i].wr_id);
+        PeerLink& l = links_[from];
+        if (wc[i].status != IBV_WC_SUCCESS) {
+          fault = encode_fault(Fault::kTransport, uint32_t(from), uint32_t(wc[i].status));
+          return false;
+        }
+        // RC delivers each signal once and in order: another count means a lost or repeated delivery.
+        if (wc[i].opcode != IBV_WC_RECV_RDMA_WITH_IMM || ntohl(wc[i].imm_data) != l.arrivals) {
+          fault = encode_fault(Fault::kTransport, uint32_t(from), kBadSignal);
+          return false;
+        }
+        ++l.arrivals;
+        if (const int err = post_receive(from)) {
+          fault = encode_fault(Fault::kTransport, uint32_t(from), kPostFailed);
+          (void)err;
+          return false;
+        }
+      }
+    }
+    return links_[peer].arrivals != links_[peer].consumed;
+  }
+
+  void consume_arrivals() override {
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_) ++links_[p].consumed;
+  }
+
+  void post_abort(int peer, uint64_t word) noexcept override {
+    if (peer == rank_) {
+      __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
+      return;
+    }
+    if (links_[peer].qp == nullptr || links_[peer].remote.qp_num == 0) return;  // never connected
+    uint64_t* slot = reinterpret_cast<uint64_t*>(block_ + staging_offset_) + peer;
+    *slot = word;
+    try {
+      post_write(peer, slot, size_t(rank_) * sizeof(uint64_t), sizeof(uint64_t), (uint64_t(peer) << 1) | 1);
+    } catch (...) {
+    }
+    post_fault_ = 0;
+    drain(devices_[links_[peer].device]);  // a peer that cannot be told times out instead
+  }
+
+ private:
+  int open_device(const IbPath& path, int peer) {
+    const Verbs& v = verbs();
+    for (size_t i = 0; i < devices_.size(); ++i)
+      if (devices_[i].name == path.device) return int(i);
+    int n = 0;
+    ibv_device** list = v.get_device_list(&n);
+    if (list == nullptr) fail_errno("list RDMA devices", peer);
+    ibv_device* dev = nullptr;
+    std::string present;
+    for (int i = 0; i < n; ++i) {
+      const std::string name = v.get_device_name(list[i]);
+      present += (present.empty() ? "" : ", ") + name;
+      if (name == path.device) dev = list[i];
+    }
+    Device d;
+    d.name = path.device;
+    if (dev != nullptr) d.ctx = v.open_device(dev);
+    v.free_device_list(list);
+    if (dev == nullptr)
+      ROCENANTE_THROW(Error, "rank " + std::to_string(rank_) + ": RDMA device " + path.device + " (for rank " +
+                                 std::to_string(peer) + ") not found; present: " + (present.empty() ? "none" : present));
+    devices_.push_back(d);  // from here on release() frees what it holds
+    Device& dd = devices_.back();
+    if (dd.ctx == nullptr) fail_errno("open RDMA device " + dd.name, peer);
+    dd.pd = v.alloc_pd(dd.ctx);
+    if (dd.pd == nullptr) fail_errno("allocate a protection domain on " + dd.name, peer);
+    dd.cq = v.create_cq(dd.ctx, int(kMaxSendWr) * world_, nullptr, nullptr, 0);
+    if (dd.cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
+    dd.recv_cq = v.create_cq(dd.ctx, int(kRecvDepth) * world_, nullptr, nullptr, 0);
+    if (dd.recv_cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
+    dd.region_mr = v.reg_mr(dd.pd, block_, bytes_, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (dd.region_mr == nullptr) fail_errno("register " + std::to_string(bytes_) + " bytes on " + dd.name, peer);
+    dd.send_mr = v.reg_mr(dd.pd, block_ + bytes_, block_bytes_ - bytes_, 0);
+    if (dd.send_mr == nullptr) fail_errno("register " + std::to_string(block_bytes_ - bytes_) + " bytes on " + dd.name, peer);
+    return int(devices_.size() - 1);
+  }
+
+  void check_port(const Device& d, const IbPath& path, int peer, Endpoint& local) {
+    const Verbs& v = verbs();
+    const std::string where = "rank " + std::to_string(rank_) + ": RDMA device " + d.name + " port " +
+                              std::to_string(path.port) + " (for rank " + std::to_string(peer) + ")";
+    ibv_port_attr pa{};
+    if (path.port < 1 || path.port > 255 || v.query_port(d.ctx, uint8_t(path.port), &pa) != 0)
+      ROCENANTE_THROW(Error, where + " cannot be queried: no such port?");
+    if (pa.state != IBV_PORT_ACTIVE)
+      ROCENANTE_THROW(Error, where + " is " + port_state(pa.state) +
+                                 ", not ACTIVE: is it cabled and its link up? (choose another with ROCENANTE_IB_HCA)");
+    if (pa.link_layer != IBV_LINK_LAYER_ETHERNET)
+      ROCENANTE_THROW(Error, where + " is not an Ethernet (RoCE) port: rocenante speaks RoCE v2 only");
+    if (path.gid_index < 0 || path.gid_index >= pa.gid_tbl_len)
+      ROCENANTE_THROW(Error, where + ": GID index " + std::to_string(path.gid_index) + " is outside its table of " +
+                                 std::to_string(pa.gid_tbl_len));
+    ibv_gid gid{};
+    if (v.query_gid(d.ctx, uint8_t(path.port), path.gid_index, &gid) != 0 ||
+        std::all_of(std::begin(gid.raw), std::end(gid.raw), [](uint8_t b) { return b == 0; }))
+      ROCENANTE_THROW(Error, where + ": GID index " + std::to_string(path.gid_index) + " is empty");
+    std::memcpy(local.gid, gid.raw, 16);
+    local.mtu = pa.active_mtu;
+  }
+
+  static std::string port_state(ibv_port_state s) {
+    switch (s) {
+      case IBV_PORT_DOWN: return "DOWN";
+      case IBV_PORT_INIT: return "INIT";
+      case IBV_PORT_ARMED: return "ARMED";
+      case IBV_PORT_ACTIVE_DEFER: return "ACTIVE_DEFER";
+      default: return "in state " + std::to_string(int(s));
+    }
+  }
+
+  // Posts one signalled RDMA WRITE of `bytes` at `src` (inside the send registration) to `offset` of peer's
+  // region. A post the NIC refuses is recorded as that peer's transport fault.
+  void post_write(int peer, void* src, size_t offset, size_t bytes, uint64_t wr_id) {
+    PeerLink& l = links_[peer];
+    const Device& d = devices_[l.device];
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<uintptr_t>(src);
+    sge.length = uint32_t(bytes);
+    sge.lkey = d.send_mr->lkey;
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = l.remote.addr + offset;
+    wr.wr.rdma.rkey = l.remote.rkey;
+    post(peer, wr);
+  }
+
+  void post(int peer, ibv_send_wr& wr) {
+    ibv_send_wr* bad = nullptr;
+    if (ibv_post_send(links_[peer].qp, &wr, &bad) != 0) {
+      if (post_fault_ == 0) post_fault_ = encode_fault(Fault::kTransport, uint32_t(peer), kPostFailed);
+      return;
+    }
+    ++devices_[links_[peer].device].outstanding;
+  }
+
+  int post_receive(int peer) {
+    ibv_recv_wr wr{};
+    wr.wr_id = uint64_t(peer);
+    ibv_recv_wr* bad = nullptr;
+    return ibv_post_recv(links_[peer].qp, &wr, &bad);
+  }
+
+  // Waits for every write posted on `d` to complete; returns the first failure as a fault word.
+  uint64_t drain(Device& d) {
+    uint64_t fault = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCompletionWaitS);
+    uint32_t spins = 0;
+    while (d.outstanding > 0) {
+      ibv_wc wc[8];
+      const int n = ibv_poll_cq(d.cq, 8, wc);
+      if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
+      for (int i = 0; i < n; ++i) {
+        --d.outstanding;
+        if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
+          fault = encode_fault(Fault::kTransport, uint32_t(wc[i].wr_id >> 1), uint32_t(wc[i].status));
+      }
+      if (n > 0) continue;
+      if (++spins < 4000) continue;  // a round trip on a NIC is a few microseconds: spin through it
+      sched_yield();
+      if (std::chrono::steady_clock::now() > deadline) {
+        d.outstanding = 0;  // the NIC stopped reporting: this device's queue pairs are useless from here on
+        return encode_fault(Fault::kTransport, first_peer_on(d), kNoCompletion);
+      }
+    }
+    return fault;
+  }
+
+  uint32_t first_peer_on(const Device& d) const {
+    for (int p = 0; p < world_; ++p)
+      if (links_[p].device >= 0 && &devices_[links_[p].device] == &d) return uint32_t(p);
+    return 0;
+  }
+
+  [[noreturn]] void fail_errno(const std::string& what, int peer) {
+    fail_code(what, peer, errno);
+  }
+  [[noreturn]] void fail_code(const std::string& what, int peer, int err) {
+    ROCENANTE_THROW(Error, "rank " + std::to_string(rank_) + ": cannot " + what + " (for rank " + std::to_string(peer) +
+                               "): " + std::strerror(err));
+  }
+
+  void release() noexcept {
+    const Verbs& v = verbs();
+    for (PeerLink& l : links_)
+      if (l.qp != nullptr) v.destroy_qp(l.qp), l.qp = nullptr;
+    for (Device& d : devices_) {
+      if (d.region_mr != nullptr) v.dereg_mr(d.region_mr);
+      if (d.send_mr != nullptr) v.dereg_mr(d.send_mr);
+      if (d.cq != nullptr) v.destroy_cq(d.cq);
+      if (d.recv_cq != nullptr) v.destroy_cq(d.recv_cq);
+      if (d.pd != nullptr) v.dealloc_pd(d.pd);
+      if (d.ctx != nullptr) v.close_device(d.ctx);
+    }
+    devices_.clear();
+    if (block_ != nullptr) munmap(block_, block_bytes_);
+    block_ = nullptr;
+  }
+
+  int rank_;
+  int world_;
+  size_t bytes_;
+  size_t staging_offset_ = 0;
+  size_t block_bytes_ = 0;
+  char* block_ = nullptr;
+  std::vector<Device> devices_;
+  std::vector<PeerLink> links_;
+  uint64_t post_fault_ = 0;  // a post the NIC refused, reported by the next delivered()
+};
+
+}  // namespace
+
+const bool kWithIbverbs = true;
+
+std::unique_ptr<Transport> make_ibverbs_transport(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths) {
+  return std::make_unique<IbverbsTransport>(rank, layout, paths);
+}
+
+std::string transport_status(uint32_t status) {
+  switch (status) {
+    case kPostFailed: return "the NIC refused to post the write";
+    case kPollFailed: return "polling the completion queue failed";
+    case kBadSignal: return "a delivery signal arrived out of sequence";
+    case kNoCompletion:
+      return "no completion within " + std::to_string(int(kCompletionWaitS)) + " s (the NIC stopped reporting)";
+    default: break;
+  }
+  return std::string(verbs().wc_status_str(ibv_wc_status(status))) + " (verbs status " + std::to_string(status) + ")";
+}
+
+}  // namespace rocenante

@@ -1,0 +1,179 @@
+"""An independent peer written with pyverbs (rdma-core's own binding) joins a 2-rank communicator as rank 1:
+it publishes a handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
+them (a zero-length RDMA WRITE WITH IMMEDIATE carrying its signal count), and reads what rank 0 wrote into its
+own region once rank 0's signal arrived. Every offset and format below is derived here from what csrc/layout.h
+and csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's
+code, so this checks the wire layout and the signalling against rdma-core's binding."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+
+import pytest
+import torch
+
+import rocenante
+from multiproc import expect_ok, run_ranks
+from rocenante import _env, _ib
+
+WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
+HEADER, CALL_WORDS, MAX_RANKS, BUFFERS = 512, 64, 8, 3
+EMPTY = 0x80000000
+REGION = HEADER + BUFFERS * (WORLD - 1) * CAPACITY
+EPOCH = 1  # the communicator's first call
+BUFFER = EPOCH % BUFFERS
+
+
+def call_word_offset(buffer: int, source: int) -> int:
+    return CALL_WORDS + (buffer * MAX_RANKS + source) * 4
+
+
+def area_offset(buffer: int, receiver: int, source: int) -> int:
+    index = source if source < receiver else source - 1
+    return HEADER + (buffer * (WORLD - 1) + index) * CAPACITY
+
+
+def call_word() -> int:
+    signature = (COUNT << 5) | (0 << 3) | (0 << 1)  # float32, sum
+    return (signature ^ (EPOCH << 1)) | 1
+
+
+def values(rank: int) -> torch.Tensor:
+    x = torch.arange(COUNT, dtype=torch.float32) * (rank + 1) + 0.25
+    x[7] = -0.0 if rank == 1 else 0.0  # a -0.0 element: sent as +0.0 (layout.h), never the empty word
+    return x
+
+
+def _wait(store, keys, what):
+    deadline = time.monotonic() + 120
+    while not store.check(keys):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _pyverbs_rank(store):
+    sys.path.append("/usr/lib/python3/dist-packages")  # the system's pyverbs, matching its rdma-core
+    import pyverbs.enums as e
+    from pyverbs.addr import AHAttr, GID, GlobalRoute
+    from pyverbs.cq import CQ
+    from pyverbs.device import Context
+    from pyverbs.mr import MR
+    from pyverbs.pd import PD
+    from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+    from pyverbs.wr import RecvWR, SGE, SendWR
+
+    gid_index, source = _env.ib_gid_index()
+    path = _ib.choose_paths(1, WORLD, _ib.scan(), _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX")[0]
+    ctx = Context(name=path.device)
+    pd = PD(ctx)
+    scq, rcq = CQ(ctx, 8), CQ(ctx, 8)
+    qp = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=scq, rcq=rcq, cap=QPCap(max_send_wr=4, max_recv_wr=4)))
+    region = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+    region.write(bytes(64) + struct.pack(f"<{(REGION - 64) // 4}I", *[EMPTY] * ((REGION - 64) // 4)), REGION, 0)
+    send = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE)
+    port = ctx.query_port(path.port)
+    psn = 0x123456
+
+    prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
+    store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
+    config = struct.pack("<IIQiI", 0x524F4333, WORLD, CAPACITY, 0, 0)  # "ROC3", world, capacity, CPU, padding
+    identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
+    gid = bytes.fromhex(path.gid.replace(":", ""))
+    endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, port.active_mtu)
+    # Entry q of a handle is what rank q needs: ours for rank 0, then an unused one for ourselves.
+    handle = config + identity + struct.pack("<IIQ", 0x52494231, WORLD, REGION) + endpoint + bytes(40)
+    store.set(f"{prefix}/handle/1", handle)
+    _wait(store, [f"{prefix}/handle/0"], "rank 0's handle")
+    theirs = store.get(f"{prefix}/handle/0")[24 + 16:]
+    assert struct.unpack_from("<IIQ", theirs) == (0x52494231, WORLD, REGION), "rank 0's RDMA handle header"
+    dgid, (qpn, their_psn, addr, rkey, mtu) = theirs[16 + 40:16 + 56], struct.unpack_from("<IIQII", theirs, 16 + 56)
+
+    attr = QPAttr(qp_state=e.IBV_QPS_INIT)
+    attr.qp_access_flags = e.IBV_ACCESS_REMOTE_WRITE
+    attr.port_num = path.port
+    attr.path_mtu = min(mtu, port.active_mtu)
+    attr.dest_qp_num = qpn
+    attr.rq_psn = their_psn
+    attr.sq_psn = psn
+    attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.min_rnr_timer = 16, 7, 7, 12
+    dest = GID()
+    dest.gid = ":".join(dgid.hex()[i:i + 4] for i in range(0, 32, 4))
+    attr.ah_attr = AHAttr(gr=GlobalRoute(dgid=dest, sgid_index=path.gid_index, hop_limit=64), is_global=1,
+                          port_num=path.port)
+    qp.to_init(attr)
+    # For rank 0's signal; a WRITE WITH IMMEDIATE places nothing through it (pyverbs wants one SGE anyway).
+    qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)]))
+    qp.to_rts(attr)
+    store.set(f"{prefix}/connected/1", "1")
+    _wait(store, [f"{prefix}/connected/0"], "rank 0 to connect")
+
+    deadline = time.monotonic() + 60
+
+    def post_and_complete(wr):
+        qp.post_send(wr)
+        while True:
+            n, wcs = scq.poll()
+            if n:
+                assert wcs[0].status == e.IBV_WC_SUCCESS, f"our RDMA write failed: status {wcs[0].status}"
+                return
+            assert time.monotonic() < deadline, "no completion for our RDMA write"
+
+    def write(offset, length):
+        wr = SendWR(opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(send.buf + offset, length, send.lkey)],
+                    send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(rkey, addr + offset)
+        post_and_complete(wr)
+
+    # Our call word, then our data (float32 as is, -0.0 sent as +0.0, padded to 16 bytes), then our signal.
+    payload = values(1).numpy().tobytes().replace(struct.pack("<I", EMPTY), bytes(4))
+    payload += bytes(-len(payload) % 16)
+    send.write(struct.pack("<I", call_word()), 4, call_word_offset(BUFFER, 1))
+    send.write(payload, len(payload), area_offset(BUFFER, 0, 1))
+    write(call_word_offset(BUFFER, 1), 4)
+    write(area_offset(BUFFER, 0, 1), len(payload))
+    signal = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)],
+                    imm_data=socket.htonl(0), send_flags=e.IBV_SEND_SIGNALED)  # zero bytes; our first signal
+    signal.set_wr_rdma(rkey, addr)
+    post_and_complete(signal)
+
+    # Rank 0's signal, then its call word and data in our region.
+    while True:
+        n, wcs = rcq.poll()
+        if n:
+            assert wcs[0].status == e.IBV_WC_SUCCESS and wcs[0].opcode == e.IBV_WC_RECV_RDMA_WITH_IMM, wcs[0].status
+            assert socket.ntohl(wcs[0].imm_data) == 0, f"rank 0's first signal carries {socket.ntohl(wcs[0].imm_data)}"
+            break
+        assert time.monotonic() < deadline, "rank 0's signal never arrived"
+    got_call = struct.unpack("<I", region.read(4, call_word_offset(BUFFER, 0)))[0]
+    got = region.read(COUNT * 4, area_offset(BUFFER, 1, 0))
+    store.set("peer/done", "1")
+    _wait(store, ["rank0/done"], "rank 0 to finish")
+    for obj in (region, send, qp, scq, rcq, pd, ctx):
+        obj.close()
+    return got_call == call_word(), got == values(0).numpy().tobytes()
+
+
+def _rank(store, rank, world):
+    if rank == 1:
+        return _pyverbs_rank(store)
+    with rocenante.Communicator(store, 0, WORLD, capacity_bytes=CAPACITY, timeout_s=120, name=NAME) as comm:
+        out = comm.all_reduce(values(0))
+        _wait(store, ["peer/done"], "the pyverbs peer")
+        store.set("rank0/done", "1")
+        want = values(0) + values(1)
+        want[7] = 0.0
+        return torch.equal(out, want) and not torch.signbit(out[7])
+
+
+def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout():
+    if not os.path.isdir("/usr/lib/python3/dist-packages/pyverbs"):
+        pytest.skip("needs the system's pyverbs (apt install python3-pyverbs)")
+    ours, (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, timeout=300, context="fork"))
+    assert ours, "rank 0's result is not its input plus the pyverbs peer's"
+    assert call_ok, "the call word rank 0 wrote into the pyverbs peer's region is not the one layout.h defines"
+    assert data_ok, "the pyverbs peer read other data than rank 0's input from its region"

@@ -1,0 +1,227 @@
+"""RDMA transport, end to end, with CPU tensors: every rank in one machine (the SoftRoCE VM), every peer reached
+through the RDMA device (ROCENANTE_NET=ib). Ranks are forked from this process, which imported torch once
+(in the VM that import takes a minute), and each set of ranks runs a table of cases."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import rocenante
+from multiproc import all_arrived, expect_ok, run_ranks
+from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32
+from rocenante import _env, _ib
+
+# Emulated CPU in the VM: bounds are loose, and every wait has its own timeout.
+CAPACITY = 64 << 10
+
+
+def run(world, fn, *args, timeout=600):
+    return run_ranks(world, fn, *args, timeout=timeout, context="fork")
+
+
+def _table(store, rank, world, seed):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
+    rng = random.Random(seed)  # the same sizes on every rank
+    digests, case = [], 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for numel in (rng.randint(1, 40), rng.randint(1, CAPACITY // dtype.itemsize)):
+                inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
+                out = poison(torch.empty(numel, dtype=dtype))
+                assert comm.all_reduce(inputs[rank], op=op, out=out) is out
+                assert torch.equal(out, sequential_fp32(inputs, op)), f"case {case}: {dtype} {op} {numel}"
+                check_against_float64(out, inputs, op)
+                digests.append(digest(out))
+                case += 1
+    for i in range(30):  # back to back, in place, every slot reused many times
+        x = torch.full((1000 + i,), float(rank + i))
+        comm.all_reduce(x, out=x)
+        assert torch.equal(x, torch.full_like(x, float(sum(r + i for r in range(world))))), f"back-to-back call {i}"
+    x = torch.ones(8 + (rank == world - 1))  # the last rank calls with one element more
+    with pytest.raises(rocenante.CallMismatchError) as err:
+        comm.all_reduce(x)
+    comm.close()
+    return digests, str(err.value)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dtypes_ops_random_sizes_bitwise_identical_across_ranks(world):
+    results = expect_ok(run(world, _table, 1000 + world))
+    assert all(r[0] == results[0][0] for r in results), "ranks computed different bits"
+    for rank, (_, mismatch) in enumerate(results):
+        if rank != world - 1:
+            assert f"rank {world - 1} called all_reduce with 9 x float32" in mismatch, mismatch
+        else:
+            assert "called all_reduce with 8 x float32" in mismatch, mismatch
+
+
+def _victim(store, rank, world, how, timeout_s):
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=timeout_s)
+    all_arrived(store, world, "victim")
+    victim = world - 1
+    if rank == victim:
+        pid = os.getpid()
+        if how == "kill":
+            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        else:
+            subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {pid}; sleep {timeout_s + 6}; kill -CONT {pid}"])
+    calls = 0
+    while True:
+        x = torch.full((4096,), float(rank + 1))
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x, out=x)
+        except rocenante.RocenanteError as err:
+            want = float(sum(r + 1 for r in range(world)))
+            assert bool(((x == want) | torch.isnan(x)).all()), "an element is neither exact nor NaN"
+            return calls, type(err).__name__, str(err), time.monotonic() - start
+        assert torch.equal(x, torch.full_like(x, float(sum(r + 1 for r in range(world))))), f"call {calls} wrong"
+        calls += 1
+
+
+def test_killed_peer_is_reported_within_the_bound():
+    world = 3
+    results = run(world, _victim, "kill", 60.0)
+    assert results[-1] == ("died", -signal.SIGKILL), results[-1]
+    for rank, (calls, kind, message, elapsed) in enumerate(expect_ok(results[:-1])):
+        assert calls > 0, f"rank {rank} never completed a call before the kill"
+        assert kind == "PeerAbortedError", message
+        assert "rank 2" in message, message
+        assert elapsed < 10.0, f"rank {rank} took {elapsed:.1f} s to notice (timeout 60 s)"
+
+
+def test_stopped_peer_times_out_and_learns_of_it_when_continued():
+    world, timeout_s = 2, 6.0
+    results = expect_ok(run(world, _victim, "stop", timeout_s))
+    calls, kind, message, elapsed = results[0]
+    assert kind == "PeerTimeoutError" and "waiting for rank(s) 1" in message, message
+    assert elapsed < timeout_s + 6.0, f"waited {elapsed:.1f} s with a {timeout_s} s timeout"
+    _, kind, message, _ = results[1]
+    assert kind == "PeerTimeoutError" and "aborted the communicator: a wait for rank(s) 1" in message, message
+
+
+def _peer_vanishes(store, rank, world):
+    """Rank 1 destroys its queue pairs without telling rank 0 (its process lives on, so no watchdog sees it):
+    rank 0's next write gets no acknowledgement and must fail naming rank 1 and the verbs status."""
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
+    comm.all_reduce(torch.ones(16))
+    all_arrived(store, world, "first call done")
+    if rank == 1:
+        comm.close()
+        all_arrived(store, world, "closed")
+        all_arrived(store, world, "done")  # alive until rank 0 is done: its watchdog must not see us end
+        return None
+    all_arrived(store, world, "closed")
+    start = time.monotonic()
+    with pytest.raises(rocenante.RocenanteError) as err:
+        comm.all_reduce(torch.ones(16))
+    elapsed = time.monotonic() - start
+    all_arrived(store, world, "done")
+    return type(err.value).__name__, str(err.value), elapsed
+
+
+def test_write_to_a_vanished_queue_pair_fails_naming_the_peer_and_verbs_status():
+    kind, message, elapsed = expect_ok(run(2, _peer_vanishes))[0]
+    assert kind == "PeerAbortedError", message
+    assert re.search(r"an RDMA write to rank 1 failed: .*retry.*\(verbs status 12\)", message), message
+    assert elapsed < 15.0, f"took {elapsed:.1f} s (retransmission budget about 1.9 s)"
+
+
+# (environment, what happens): setup errors name the device (and the peer), never a silent fallback.
+_SETUPS = [
+    ({"ROCENANTE_IB_GID_INDEX": "7"}, "ROCENANTE_IB_GID_INDEX=7: rxe0 port 1 (for"),
+    ({"ROCENANTE_IB_HCA": "mlx5_0"}, "ROCENANTE_IB_HCA lists mlx5_0, which matches no RDMA port here"),
+    ({"NCCL_IB_HCA": "^rxe"}, "no usable RDMA port for rank"),
+    ({"NCCL_IB_HCA": "=rxe0:1", "NCCL_IB_GID_INDEX": os.environ.get("RXE_GID_INDEX", "1")}, "ok"),
+    ({"ROCENANTE_IB_HCA": "rxe0", "NCCL_IB_HCA": "mlx5_0"}, "ok"),  # ours wins over NCCL's
+]
+
+
+def _setups(store, rank, world):
+    outcomes = []
+    for i, (env, _) in enumerate(_SETUPS):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60, name=f"s{i}") as c:
+                assert torch.equal(c.all_reduce(torch.ones(4)), torch.full((4,), 2.0))
+            outcomes.append("ok")
+        except rocenante.RocenanteError as err:
+            outcomes.append(str(err))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        all_arrived(store, world, f"setup {i}")
+    return outcomes
+
+
+def test_device_and_gid_settings_give_the_documented_outcome():
+    for rank, outcomes in enumerate(expect_ok(run(2, _setups))):
+        for (env, want), got in zip(_SETUPS, outcomes):
+            assert want in got, f"rank {rank}, {env}: {got}"
+
+
+def test_two_devices_spread_peers_by_rank_plus_peer():
+    ports = [p for p in _ib.scan() if p.state == "ACTIVE" and p.link_layer == "Ethernet"]
+    if len(ports) < 2:
+        pytest.skip("needs two ACTIVE RoCE ports (run_in_vm.sh adds rxe1 on dummy1)")
+    gid_index, source = _env.ib_gid_index()
+    paths = _ib.choose_paths(0, 3, ports, None, gid_index, source)
+    assert [(p.device, p.port) for p in paths[1:]] == [(ports[1].device, ports[1].port), (ports[0].device, ports[0].port)]
+    assert "spread over 2 ports" in paths[1].why
+
+
+def _rdma_resources() -> dict:
+    """Counts of queue pairs, memory regions, ... across the machine, from iproute2's rdma tool."""
+    out = subprocess.run(["rdma", "resource", "show"], capture_output=True, text=True, check=True).stdout
+    counts: dict = {}
+    for line in out.splitlines():
+        for key, value in re.findall(r"\b(pd|cq|qp|mr|ctx) (\d+)", line):
+            counts[key] = counts.get(key, 0) + int(value)
+    return counts
+
+
+def _cycles(store, rank, world, n):
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    def cycle(name):
+        with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60, name=name) as c:
+            c.all_reduce(torch.ones(64))
+        all_arrived(store, world, name)
+
+    cycle("warm-up")  # loads libibverbs and its providers, once per process
+    before = _rdma_resources(), maps()
+    for i in range(n):
+        cycle(f"cycle {i}")
+    return before, (_rdma_resources(), maps())
+
+
+def test_create_destroy_cycles_leak_no_queue_pair_or_registration():
+    results = expect_ok(run(2, _cycles, 10))
+    for rank, ((res0, maps0), (res1, maps1)) in enumerate(results):
+        assert res1 == res0, f"rank {rank}: RDMA resources before {res0}, after 10 cycles {res1}"
+        assert maps1 == maps0, f"rank {rank}: {maps1 - maps0} more memory maps after 10 cycles"
+
+
+def test_doctor_lists_the_devices_and_the_choice():
+    run = subprocess.run([sys.executable, "-m", "rocenante.doctor"], capture_output=True, text=True, timeout=300)
+    assert run.returncode in (0, 1), run.stdout + run.stderr  # 1: warnings (SoftRoCE's MTU is 1024)
+    out = run.stdout
+    assert "pyverbs could not query" not in out and "pyverbs is missing" not in out, out
+    for device in [p.device for p in _ib.scan() if p.state == "ACTIVE"]:
+        assert f"{device}: 1 port(s)" in out and "GID 1: 0000:0000:0000:0000:0000:ffff:" in out, out
+    assert re.search(r"rank 0: RDMA to rank 1 over \S+ port 1, GID \d+ \(", out), out
+    if "active MTU 1024" in out:
+        assert "active MTU 1024 below 4096" in out, out

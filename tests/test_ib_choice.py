@@ -1,0 +1,195 @@
+"""Device, port and GID choice for RDMA (rocenante._ib) against fake sysfs trees: no RDMA device needed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rocenante import _env, _ib
+
+V4 = "0000:0000:0000:0000:0000:ffff:0a00:00{:02x}"  # ::ffff:10.0.0.x
+LINK_LOCAL = "fe80:0000:0000:0000:d081:5eff:feca:8ef4"
+
+
+def fake_port(root, device, port, state="4: ACTIVE", link="Ethernet", gids=()):
+    base = os.path.join(root, device, "ports", str(port))
+    os.makedirs(os.path.join(base, "gids"))
+    os.makedirs(os.path.join(base, "gid_attrs", "types"))
+    for name, text in (("state", state), ("link_layer", link)):
+        with open(os.path.join(base, name), "w") as f:
+            f.write(text + "\n")
+    for index in range(8):  # sysfs lists every index; unused ones read as zeros
+        gid, kind = gids[index] if index < len(gids) else ("0000:0000:0000:0000:0000:0000:0000:0000", "")
+        with open(os.path.join(base, "gids", str(index)), "w") as f:
+            f.write(gid + "\n")
+        with open(os.path.join(base, "gid_attrs", "types", str(index)), "w") as f:
+            f.write(kind + "\n")
+
+
+def spark(root, second_state="4: ACTIVE"):
+    """A DGX Spark as seen by rdma-core: two RoCE devices, GID 0/1 RoCE v1/v2 link-local, 2/3 v1/v2 IPv4."""
+    for i, (device, state) in enumerate((("rocep1s0f0", "4: ACTIVE"), ("roceP2p1s0f0", second_state))):
+        gids = [(LINK_LOCAL, "IB/RoCE v1"), (LINK_LOCAL, "RoCE v2"), (V4.format(i + 1), "IB/RoCE v1"),
+                (V4.format(i + 1), "RoCE v2")]
+        fake_port(root, device, 1, state=state, gids=gids)
+    return _ib.scan(root)
+
+
+def test_scan_reads_state_link_layer_and_gids(tmp_path):
+    ports = spark(str(tmp_path))
+    assert [(p.device, p.port, p.state, p.link_layer) for p in ports] == [
+        ("roceP2p1s0f0", 1, "ACTIVE", "Ethernet"), ("rocep1s0f0", 1, "ACTIVE", "Ethernet")]
+    assert [(g.index, g.type, g.ipv4) for g in ports[1].gids] == [
+        (0, "IB/RoCE v1", None), (1, "RoCE v2", None), (2, "IB/RoCE v1", "10.0.0.1"), (3, "RoCE v2", "10.0.0.1")]
+
+
+def test_default_picks_the_ipv4_roce_v2_gid_and_spreads_peers(tmp_path):
+    ports = spark(str(tmp_path))
+    paths = _ib.choose_paths(1, 4, ports, None, None)
+    assert paths[1] is None
+    # rank 1: peer p uses candidate (1 + p) mod 2; both ends of a pair agree.
+    assert [(p.device, p.gid_index) for p in (paths[0], paths[2], paths[3])] == [
+        ("rocep1s0f0", 3), ("rocep1s0f0", 3), ("roceP2p1s0f0", 3)]
+    for p in range(4):
+        if p != 1:
+            other = _ib.choose_paths(p, 4, ports, None, None)[1]
+            assert other.device == paths[p].device
+    assert "first RoCE v2 GID with an IPv4 address (10.0.0." in paths[0].why and "spread over 2 ports" in paths[0].why
+    assert "RDMA to ranks 0, 2 over rocep1s0f0 port 1, GID 3" in _ib.describe(1, paths)
+
+
+def test_a_port_that_is_down_is_skipped_unless_listed(tmp_path):
+    ports = spark(str(tmp_path), second_state="1: DOWN")
+    paths = _ib.choose_paths(0, 3, ports, None, None)
+    assert {p.device for p in paths if p} == {"rocep1s0f0"}
+    with pytest.raises(_ib.RdmaSetupError, match=r"roceP2p1s0f0 port 1 \(for rank 1, listed by NCCL_IB_HCA\) is DOWN"):
+        _ib.choose_paths(0, 3, ports, _ib.parse_hca("rocep1s0f0,roceP2p1s0f0", "NCCL_IB_HCA"), None)
+
+
+@pytest.mark.parametrize("raw, want", [
+    ("rocep", ["rocep1s0f0"]),                             # prefix match, case-sensitive
+    ("roce", ["roceP2p1s0f0", "rocep1s0f0"]),              # order: the list's, then the scan's
+    ("=rocep1s0f0:1", ["rocep1s0f0"]),
+    ("^rocep1", ["roceP2p1s0f0"]),
+    ("^=rocep1s0f0", ["roceP2p1s0f0"]),
+    ("roceP2p1s0f0:1,rocep1s0f0", ["roceP2p1s0f0", "rocep1s0f0"]),
+])
+def test_nccl_ib_hca_forms(tmp_path, raw, want):
+    ports = spark(str(tmp_path))
+    paths = _ib.choose_paths(0, 1 + len(want), ports, _ib.parse_hca(raw, "NCCL_IB_HCA"), None)
+    used = sorted({p.device for p in paths if p})
+    assert used == sorted(want), (raw, used)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ("=roce", "NCCL_IB_HCA lists roce, which matches no RDMA port here"),
+    ("mlx5_0", "NCCL_IB_HCA lists mlx5_0, which matches no RDMA port here (present: roceP2p1s0f0 port 1"),
+    ("rocep1s0f0:2", "NCCL_IB_HCA lists rocep1s0f0:2, which matches no RDMA port"),
+    ("^roce", "no usable RDMA port for rank 1: none is ACTIVE with an Ethernet (RoCE) link outside NCCL_IB_HCA"),
+    ("rocep1s0f0:x", "cannot read 'rocep1s0f0:x'"),
+    (",", "lists no device"),
+])
+def test_bad_hca_lists_are_errors_naming_the_device(tmp_path, raw, words):
+    ports = spark(str(tmp_path))
+    with pytest.raises(_ib.RdmaSetupError) as err:
+        _ib.choose_paths(0, 2, ports, _ib.parse_hca(raw, "NCCL_IB_HCA"), None)
+    assert words in str(err.value), str(err.value)
+
+
+def test_gid_index_override_must_be_roce_v2(tmp_path):
+    ports = spark(str(tmp_path))
+    assert _ib.choose_paths(0, 2, ports, None, 1)[1].gid_index == 1  # link-local v2: allowed when asked
+    with pytest.raises(_ib.RdmaSetupError, match=r"NCCL_IB_GID_INDEX=2: GID 2 of roceP2p1s0f0 port 1 \(for rank 2\) is "
+                                                 r"of type IB/RoCE v1, not RoCE v2"):
+        _ib.choose_paths(0, 3, ports, None, 2, "NCCL_IB_GID_INDEX")
+    with pytest.raises(_ib.RdmaSetupError, match="has no GID at that index"):
+        _ib.choose_paths(0, 2, ports, None, 6)
+
+
+def test_no_ipv4_gid_is_an_error_saying_what_to_do(tmp_path):
+    fake_port(str(tmp_path), "mlx5_0", 1, gids=[(LINK_LOCAL, "IB/RoCE v1"), (LINK_LOCAL, "RoCE v2")])
+    with pytest.raises(_ib.RdmaSetupError, match="no RoCE v2 GID with an IPv4 address .* ROCENANTE_IB_GID_INDEX"):
+        _ib.choose_paths(0, 2, _ib.scan(str(tmp_path)), None, None)
+
+
+def test_infiniband_ports_are_not_used(tmp_path):
+    fake_port(str(tmp_path), "mlx5_0", 1, link="InfiniBand", gids=[(LINK_LOCAL, "IB/RoCE v1")])
+    with pytest.raises(_ib.RdmaSetupError, match="no usable RDMA port"):
+        _ib.choose_paths(0, 2, _ib.scan(str(tmp_path)), None, None)
+    with pytest.raises(_ib.RdmaSetupError, match="link layer InfiniBand: rocenante speaks RoCE v2 only"):
+        _ib.choose_paths(0, 2, _ib.scan(str(tmp_path)), _ib.parse_hca("mlx5_0", "ROCENANTE_IB_HCA"), None)
+
+
+def test_no_devices_at_all(tmp_path):
+    with pytest.raises(_ib.RdmaSetupError, match=r"no usable RDMA port for rank 1.*\(present: none\)"):
+        _ib.choose_paths(0, 2, _ib.scan(str(tmp_path / "absent")), None, None)
+
+
+def test_environment_ours_wins_over_nccls(monkeypatch):
+    monkeypatch.setenv("NCCL_IB_HCA", "mlx5_1")
+    monkeypatch.setenv("NCCL_IB_GID_INDEX", "3")
+    assert _env.ib_hca().entries == [("mlx5_1", None)] and _env.ib_hca().source == "NCCL_IB_HCA"
+    assert _env.ib_gid_index() == (3, "NCCL_IB_GID_INDEX")
+    monkeypatch.setenv("ROCENANTE_IB_HCA", "^=mlx5_0:1")
+    monkeypatch.setenv("ROCENANTE_IB_GID_INDEX", "1")
+    spec = _env.ib_hca()
+    assert (spec.entries, spec.exclude, spec.exact, spec.source) == ([("mlx5_0", 1)], True, True, "ROCENANTE_IB_HCA")
+    assert _env.ib_gid_index() == (1, "ROCENANTE_IB_GID_INDEX")
+    monkeypatch.setenv("ROCENANTE_IB_GID_INDEX", "-1")
+    with pytest.raises(ValueError, match="ROCENANTE_IB_GID_INDEX='-1'"):
+        _env.ib_gid_index()
+    monkeypatch.setenv("ROCENANTE_NET", "tcp")
+    with pytest.raises(ValueError, match="ROCENANTE_NET='tcp'"):
+        _env.net()
+
+
+def _build_with_host(store, rank, world, hosts, nets):
+    import rocenante
+    from rocenante import communicator
+
+    communicator._host_id = lambda: hosts[rank]
+    if nets[rank]:
+        os.environ["ROCENANTE_NET"] = nets[rank]
+    try:
+        rocenante.Communicator(store, rank, world, capacity_bytes=1024, timeout_s=20).close()
+        return "built"
+    except rocenante.RocenanteError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("hosts, nets, words", [
+    (["a", "a", "b"], ["", "", ""], "ranks [0, 1] share a host while other ranks are elsewhere: mixing shared-memory "
+                                    "and RDMA peers in one communicator is not supported yet"),
+    (["a", "a", "a"], ["ib", "", "ib"], "ranks disagree on ROCENANTE_NET: rank 0 'ib', rank 1 '', rank 2 'ib'"),
+    (["a", "b", "c"], ["", "", ""], "no usable RDMA port"),  # each on a host of its own: RDMA, which is absent here
+    (["a", "a", "a"], ["", "", ""], "built"),
+])
+def test_transport_choice_from_the_ranks_hosts(hosts, nets, words):
+    from multiproc import run_ranks
+
+    for rank, got in enumerate(run_ranks(3, _build_with_host, hosts, nets, timeout=120, context="fork")):
+        assert isinstance(got, str) and (words in got), f"rank {rank}: {got}"
+
+
+def test_doctor_on_a_machine_without_rdma_says_so_and_exits_2():
+    import subprocess
+    import sys
+
+    if _ib.scan():
+        pytest.skip("this machine has RDMA devices")
+    run = subprocess.run([sys.executable, "-m", "rocenante.doctor"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "rocenante could not use RDMA here: no usable RDMA port" in run.stdout, run.stdout
+
+
+def test_doctor_names_what_ranks_disagree_on():
+    from rocenante import doctor
+
+    same = {"ports": ["rxe0 port 1"], "mtus": [1024], "gid_types": ["RoCE v2"], "rocenante": "0.1.0",
+            "with_ibverbs": True, "env": {"NCCL_IB_HCA": None}}
+    other = {**same, "mtus": [4096], "env": {"NCCL_IB_HCA": "mlx5_0"}}
+    found = doctor._disagreements([same, same, other])
+    assert found == ["ranks disagree on mtus: rank 0: [1024]; rank 1: [1024]; rank 2: [4096]",
+                     "ranks disagree on env: rank 0: {'NCCL_IB_HCA': None}; rank 1: {'NCCL_IB_HCA': None}; "
+                     "rank 2: {'NCCL_IB_HCA': 'mlx5_0'}"], found
