@@ -1,4 +1,5 @@
-"""What a GPU process holds, for the leak checks of tests/test_gpu_soak.py and tests/test_gpu_hostile.py."""
+"""What a process holds, for the leak checks of tests/test_cpu_soak.py, tests/test_gpu_soak.py and
+tests/test_gpu_hostile.py."""
 
 from __future__ import annotations
 
@@ -13,22 +14,24 @@ import torch
 FREE_BYTES_TOLERANCE = 4 << 20
 
 
-def gpu_probe(device) -> dict:
-    """Open fds, /dev/shm entries, memory maps (and those of nvidia or uverbs devices), RSS, and the device's
-    free memory, once the device is idle."""
-    torch.cuda.synchronize(device)
+def host_probe() -> dict:
+    """Open fds, memory maps (and those of nvidia or uverbs devices) and RSS of this process."""
     with open("/proc/self/maps") as f:
         maps = f.read().splitlines()
     with open("/proc/self/status") as f:
         rss_kib = int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
     return {
         "fds": len(os.listdir("/proc/self/fd")),
-        "shm": sorted(os.listdir("/dev/shm")),
         "device_maps": sum("nvidia" in line or "uverbs" in line for line in maps),
         "maps": len(maps),
-        "free_bytes": torch.cuda.mem_get_info(device)[0],
         "rss_kib": rss_kib,
     }
+
+
+def gpu_probe(device) -> dict:
+    """host_probe(), /dev/shm entries and the device's free memory, once the device is idle."""
+    torch.cuda.synchronize(device)
+    return {**host_probe(), "shm": sorted(os.listdir("/dev/shm")), "free_bytes": torch.cuda.mem_get_info(device)[0]}
 
 
 def leaks(before: dict, after: dict) -> list[str]:

@@ -8,7 +8,6 @@ import hashlib
 import math
 import os
 import random
-import re
 import sys
 import time
 
@@ -16,6 +15,7 @@ import torch
 
 import rocenante
 from multiproc import expect_ok, record_figure, run_ranks
+from probes import host_probe
 from reference import DTYPES, check_against_float64, make_input, ops_for, sequential_fp32
 
 COMMUNICATOR_CYCLES = 1000
@@ -28,18 +28,8 @@ RSS_TOLERANCE_KIB = 2 << 10
 
 
 def _probe() -> dict:
-    with open("/proc/self/maps") as f:
-        maps = f.read().splitlines()
-    with open("/proc/self/status") as f:
-        rss_kib = int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
-    return {
-        "fds": len(os.listdir("/proc/self/fd")),
-        # This process's segments (their names carry its pid); other processes on the host may hold theirs.
-        "shm": len(glob.glob(f"/dev/shm/rocenante-*-{os.getpid()}-*")),
-        "maps": len(maps),
-        "device_maps": sum("nvidia" in line or "uverbs" in line for line in maps),
-        "rss_kib": rss_kib,
-    }
+    # This process's segments (their names carry its pid); other processes on the host may hold theirs.
+    return {**host_probe(), "shm": len(glob.glob(f"/dev/shm/rocenante-*-{os.getpid()}-*"))}
 
 
 def _cycles(store, rank, world, communicator_cycles, backend_cycles):
