@@ -8,9 +8,11 @@ code, so this checks the wire layout and the signalling against rdma-core's bind
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import sys
+import tempfile
 import time
 
 import pytest
@@ -55,7 +57,7 @@ def _wait(store, keys, what):
         time.sleep(0.01)
 
 
-def _pyverbs_rank(store):
+def _pyverbs_rank(store, mtu_drop):
     sys.path.append("/usr/lib/python3/dist-packages")  # the system's pyverbs, matching its rdma-core
     import pyverbs.enums as e
     from pyverbs.addr import AHAttr, GID, GlobalRoute
@@ -76,6 +78,7 @@ def _pyverbs_rank(store):
     region.write(bytes(64) + struct.pack(f"<{(REGION - 64) // 4}I", *[EMPTY] * ((REGION - 64) // 4)), REGION, 0)
     send = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE)
     port = ctx.query_port(path.port)
+    mtu_code = port.active_mtu - mtu_drop  # a crafted value: a port with a smaller MTU than ours
     psn = 0x123456
 
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
@@ -83,7 +86,7 @@ def _pyverbs_rank(store):
     config = struct.pack("<IIQiI", 0x524F4333, WORLD, CAPACITY, 0, 0)  # "ROC3", world, capacity, CPU, padding
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
     gid = bytes.fromhex(path.gid.replace(":", ""))
-    endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, port.active_mtu)
+    endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, mtu_code)
     # Entry q of a handle is what rank q needs: ours for rank 0, then an unused one for ourselves.
     handle = config + identity + struct.pack("<IIQ", 0x52494231, WORLD, REGION) + endpoint + bytes(40)
     store.set(f"{prefix}/handle/1", handle)
@@ -95,7 +98,7 @@ def _pyverbs_rank(store):
     attr = QPAttr(qp_state=e.IBV_QPS_INIT)
     attr.qp_access_flags = e.IBV_ACCESS_REMOTE_WRITE
     attr.port_num = path.port
-    attr.path_mtu = min(mtu, port.active_mtu)
+    attr.path_mtu = min(mtu, mtu_code)
     attr.dest_qp_num = qpn
     attr.rq_psn = their_psn
     attr.sq_psn = psn
@@ -158,22 +161,39 @@ def _pyverbs_rank(store):
     return got_call == call_word(), got == values(0).numpy().tobytes()
 
 
-def _rank(store, rank, world):
+def _rank(store, rank, world, mtu_drop):
     if rank == 1:
-        return _pyverbs_rank(store)
-    with rocenante.Communicator(store, 0, WORLD, capacity_bytes=CAPACITY, timeout_s=120, name=NAME) as comm:
-        out = comm.all_reduce(values(0))
-        _wait(store, ["peer/done"], "the pyverbs peer")
-        store.set("rank0/done", "1")
-        want = values(0) + values(1)
-        want[7] = 0.0
-        return torch.equal(out, want) and not torch.signbit(out[7])
+        return _pyverbs_rank(store, mtu_drop)
+    # What the transport prints while connecting (the MTU warning) goes to a file rank 0 reads afterwards.
+    log = tempfile.TemporaryFile(mode="w+")
+    saved = os.dup(2)
+    os.dup2(log.fileno(), 2)
+    try:
+        with rocenante.Communicator(store, 0, WORLD, capacity_bytes=CAPACITY, timeout_s=120, name=NAME) as comm:
+            out = comm.all_reduce(values(0))
+            _wait(store, ["peer/done"], "the pyverbs peer")
+            store.set("rank0/done", "1")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    log.seek(0)
+    want = values(0) + values(1)
+    want[7] = 0.0
+    return torch.equal(out, want) and not torch.signbit(out[7]), log.read()
 
 
-def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout():
+@pytest.mark.parametrize("mtu_drop", [0, 1], ids=["same-mtu", "peer-mtu-smaller"])
+def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout(mtu_drop):
     if not os.path.isdir("/usr/lib/python3/dist-packages/pyverbs"):
         pytest.skip("needs the system's pyverbs (apt install python3-pyverbs)")
-    ours, (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, timeout=300, context="fork"))
+    (ours, log), (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, mtu_drop, timeout=300, context="fork"))
     assert ours, "rank 0's result is not its input plus the pyverbs peer's"
     assert call_ok, "the call word rank 0 wrote into the pyverbs peer's region is not the one layout.h defines"
     assert data_ok, "the pyverbs peer read other data than rank 0's input from its region"
+    if mtu_drop == 0:
+        assert "MTU" not in log, log
+    else:  # ibv_mtu codes: 128 << code bytes, so one code down is half the bytes
+        found = re.search(r"rank 1's port MTU is (\d+) bytes, this rank's \(\S+ port \d+\) (\d+): the path uses (\d+)", log)
+        assert found, f"no MTU warning naming rank 1 in: {log!r}"
+        theirs, mine, used = map(int, found.groups())
+        assert theirs * 2 == mine and used == theirs, log
