@@ -40,7 +40,7 @@ def main() -> None:
     result = {
         "schema": first["schema"],
         "provenance": {**first["provenance"], "method": "benchmarks/ordering_ab.sh: builds of one tree, 'relaxed' "
-                       "with every .acquire/.release of csrc/device/lines.cuh made .relaxed ('baseline': another "
+                       "with every .acquire/.release of csrc/device/wire.cuh made .relaxed ('baseline': another "
                        f"tree, see the note); runs alternated {len(rounds)} times; p10/p90 here are the min/max "
                        "of the runs' medians",
                        "bench_method": first["provenance"].get("method")},  # each run's, as the bench recorded it

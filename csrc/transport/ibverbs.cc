@@ -23,8 +23,7 @@
 //
 // Why no stale, late or repeated RDMA write is ever taken for current data. Stated for protocol v2 (3 rotating
 // buffers; in call e a sender writes buffer e%3 of each peer's region and nothing else but abort words, and a
-// receiver resets buffer (e-1)%3 of its own region during call e); v1 (2 slots, receiver zeroes what it read)
-// is the same argument with one buffer less. For one sender p and one receiver r:
+// receiver resets buffer (e-1)%3 of its own region during call e). For one sender p and one receiver r:
 //   1. p posts its writes of call e to r only after every write it posted to r before (call e-1's, its
 //      signal included) completed: delivered() returns only then, and calls are serialised per communicator.
 //   2. A completion at p means r's NIC acknowledged the request. An RC responder executes requests once each,
