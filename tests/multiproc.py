@@ -7,7 +7,9 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import subprocess
 import tempfile
+import threading
 import time
 import traceback
 
@@ -66,6 +68,16 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spa
                 p.kill()
                 p.join()
     return results
+
+
+def end_this_process_later(how: str, after_s: float, stopped_s: float = 4.0) -> None:
+    """A fault test's victim: after `after_s` seconds this process is SIGKILLed (how == "kill"), or SIGSTOPped
+    and continued `stopped_s` seconds later (how == "stop"), whatever it is doing then."""
+    pid = os.getpid()
+    if how == "kill":
+        threading.Timer(after_s, os.kill, (pid, signal.SIGKILL)).start()
+    else:
+        subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -STOP {pid}; sleep {stopped_s}; kill -CONT {pid}"])
 
 
 def all_arrived(store, world: int, name: str) -> None:

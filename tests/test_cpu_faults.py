@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import rocenante
-from multiproc import all_arrived, expect_ok, record_figure, run_ranks
+from multiproc import all_arrived, end_this_process_later, expect_ok, record_figure, run_ranks
 from reference import make_input, sequential_fp32
 
 CAPACITY = 64 << 10
@@ -70,11 +69,7 @@ def _victim_loop(store, rank, world, how, timeout_s):
     comm = _comm(store, rank, world, timeout_s=timeout_s)
     victim = world - 1
     if rank == victim:
-        pid = os.getpid()
-        if how == "kill":
-            threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
-        else:
-            subprocess.Popen(["sh", "-c", f"sleep 0.5; kill -STOP {pid}; sleep 4; kill -CONT {pid}"])
+        end_this_process_later(how, after_s=0.5)
     outcomes = []  # ("ok" | "nan" | "mixed", i) for calls that returned; the error ends the list
     for i in range(1_000_000):
         x = torch.full((4096,), float(rank + 1 + i % 7))  # small integers: the sum is exact

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 import torch
 
-from multiproc import expect_ok, record_figure, run_ranks
+from multiproc import end_this_process_later, expect_ok, record_figure, run_ranks
 from reference import make_input, sequential_fp32
 
 pytestmark = pytest.mark.gpu
@@ -188,10 +187,7 @@ def _graph_victim(store, rank, world, how, timeout_s):
             comm.all_reduce(x, out=x)
     torch.cuda.synchronize()
     if rank == 1:
-        if how == "kill":
-            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        else:
-            subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
+        end_this_process_later(how, after_s=1.0)
     good, first_nan, last_good_end, detect_s = 0, None, time.monotonic(), None
     deadline = time.monotonic() + 90
     i = 0

@@ -10,14 +10,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 import torch
 
 import rocenante
-from multiproc import all_arrived, expect_ok, run_ranks
+from multiproc import all_arrived, end_this_process_later, expect_ok, run_ranks
 from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32
 from rocenante import _env, _ib
 
@@ -70,11 +69,7 @@ def _victim(store, rank, world, how, timeout_s):
     all_arrived(store, world, "victim")
     victim = world - 1
     if rank == victim:
-        pid = os.getpid()
-        if how == "kill":
-            threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-        else:
-            subprocess.Popen(["sh", "-c", f"sleep 1; kill -STOP {pid}; sleep {timeout_s + 6}; kill -CONT {pid}"])
+        end_this_process_later(how, after_s=1.0, stopped_s=timeout_s + 6)
     calls = 0
     while True:
         x = torch.full((4096,), float(rank + 1))
