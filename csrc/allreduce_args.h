@@ -20,6 +20,13 @@ struct AllReduceArgs {
   RegionLayout layout;
   uint32_t* local;            // this rank's receive region
   uint32_t* peer[kMaxRanks];  // where this rank writes to reach each peer's region (peer[rank] unused)
+  // Network peers (bit p): peer[p] is this rank's image of p's region, which the proxy delivers once rung, and
+  // p's words are read only after mailbox->arrived says they arrived (layout.h, Mailbox).
+  uint32_t network;
+  // Peers whose peer[] this rank stores to: every direct peer, and of the network peers one per distinct image
+  // area (a rank's area has one offset in the regions of all peers above it, another below: layout.h).
+  uint32_t stores;
+  Mailbox* mailbox;  // null when no peer is a network peer
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
 };
 
@@ -38,14 +45,10 @@ ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, Load load) {
 // True when a signal asks the waiting thread to give up (Ctrl-C); checked at most every few milliseconds.
 using InterruptCheck = bool (*)();
 
-class Transport;
-
 // The CPU path: runs the whole protocol on the calling thread. `epoch` is this call's number (same on every
 // rank); `reset_span` is span_bytes() of the previous call, whose buffer this call resets (layout.h).
-// `remote`: the transport, when it is remote (args.peer[] are then images that it delivers, transport.h), else
-// nullptr. Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
+// Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
 // compute is then poisoned (poison_word).
-uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, size_t reset_span, InterruptCheck interrupted,
-                        Transport* remote);
+uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, size_t reset_span, InterruptCheck interrupted);
 
 }  // namespace rocenante

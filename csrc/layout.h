@@ -188,6 +188,28 @@ ROCENANTE_HD uint32_t* area(uint32_t* region, const RegionLayout& l, int buffer,
 // The value word `index` of a fresh region holds: 0 in the abort words, kEmpty everywhere else.
 ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffset / sizeof(uint32_t) ? 0u : kEmpty; }
 
+// Network transports: the reducer (kernel or host loop) and its proxy thread (transport/proxy.cc) meet in a
+// mailbox of host memory (mapped for the kernel). The reducer writes into an image of each network peer's region,
+// and:
+//   ring[b] = (span_bytes() << 32) | epoch of the last call that used buffer b, stored with release at system
+//     scope once every store of that call into the image is visible (the kernel: by its last CTA, after a
+//     system-scope fence); the proxy then delivers that call's call word and area span to every network peer.
+//   arrived[b][s] = epoch of the last call using buffer b whose delivery from network peer s has arrived whole,
+//     stored by the proxy with release; the reducer reads s's call word and area of call e only after it read
+//     (acquire) arrived[e % 3][s] == e. A wire guarantees neither placement order nor word atomicity while a
+//     delivery lands (transport.h); this wait is why neither is needed.
+// One slot per buffer, since neither side may overwrite a value the other has not taken yet: a rank can ring
+// call e + 1 before its proxy took call e (the peers' data of call e lets this rank finish call e, whether or not
+// ours has left), but not call e + 2 (the peers send call e + 1 only once they have our data of call e); in the
+// same way a peer's call e + 1 may arrive before this rank's reducer read arrived[] of call e, its call e + 2
+// cannot. The proxy counts calls exactly as the reducers do (every call goes to every peer, one delivery each),
+// so the n-th delivery it takes from a peer is that peer's call of the n-th epoch.
+struct Mailbox {
+  uint64_t ring[kBuffers];
+  uint32_t arrived[kBuffers][kMaxRanks];
+};
+ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
+
 // Why a call failed, packed in one 64-bit word so that one plain store publishes it whole.
 enum class Fault : uint32_t {
   kNone = 0,

@@ -2,6 +2,7 @@
 // launches one kernel per all-reduce. Without CUDA, make_oneshot_kernel throws.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 
@@ -20,6 +21,10 @@ class OneshotKernel {
   virtual bool stream_done(uintptr_t stream) const = 0;
   // The first fault a kernel recorded (word 0 if none). Any thread may call it.
   virtual FaultRecord fault() const = 0;
+  // Network transports: pins host memory [host, host + bytes) and maps it for the kernel (the receive region, the
+  // image, the mailbox), its device address in `device_address`. The mapping lasts as long as the returned
+  // handle (which may outlive this object); release it before the memory is freed, and after our kernels ended.
+  virtual std::shared_ptr<void> map_host(void* host, size_t bytes, void*& device_address) = 0;
 };
 
 std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../device/oneshot_kernel.h"
 #include "../layout.h"
 
 namespace rocenante {
@@ -32,25 +33,35 @@ class Transport {
   // will time out instead.
   virtual void post_abort(int peer, uint64_t word) noexcept = 0;
 
-  // Remote transports (RDMA): peer_region(p) is this rank's image of p's region in local memory, and nothing
-  // reaches p until deliver() carries bytes [offset, offset + bytes) of that image into p's region at the
-  // same offset. Direct transports (shared memory, CUDA IPC) write the peer's memory itself: for them
-  // remote() is false and the calls below are never made.
-  //
-  // Neither the order in which a delivery's bytes are placed nor any word's atomicity is guaranteed while it
-  // lands (SoftRoCE under an emulated CPU places byte by byte): a receiver reads a peer's bytes only once that
-  // peer's delivery has arrived whole. One round, the same on sender and receiver:
-  //   sender:   deliver(p, ...) any number of times, then delivered(): signals each peer delivered to that all
-  //             of it was sent, and returns once everything posted has landed, or a fault word
-  //             (Fault::kTransport) naming the first peer a delivery failed for;
-  //   receiver: arrived(p) until true for every peer (then everything p delivered before its signal is in the
-  //             region, whole), then consume_arrivals(). A broken queue pair is returned through `fault`.
-  // Abort words (post_abort) travel without a signal: a reader of abort words only asks "nonzero?".
-  virtual bool remote() const { return false; }
-  virtual void deliver(int /*peer*/, size_t /*offset*/, size_t /*bytes*/) {}
-  virtual uint64_t delivered() { return 0; }
-  virtual bool arrived(int /*peer*/, uint64_t& /*fault*/) { return true; }
-  virtual void consume_arrivals() {}
+  // Network transports (proxy.cc): the ring and arrival words the reducer and the proxy thread share; nullptr
+  // for direct transports (shared memory, CUDA IPC), whose peer_region() is the peer's memory itself.
+  virtual Mailbox* mailbox() const { return nullptr; }
+};
+
+// A network wire (RDMA verbs, the TCP software wire): a Transport whose peer_region(p) is this rank's image of
+// p's region in local memory; nothing reaches p until deliver() carries bytes [offset, offset + bytes) of that
+// image into p's region at the same offset. Only the proxy (proxy.cc) drives a wire, from its one thread;
+// post_abort() may come from any thread, and the proxy serialises it with everything else.
+//
+// Neither the order in which a delivery's bytes are placed nor any word's atomicity is guaranteed while it
+// lands (SoftRoCE under an emulated CPU places byte by byte; the TCP wire places segments in random order):
+// a receiver reads a peer's bytes only once that peer's delivery has arrived whole. One round, the same on
+// sender and receiver, and none of these calls blocks:
+//   sender:   deliver(p, ...) any number of times, then signal(): posts, to each peer delivered to since the
+//             last signal(), a signal that all of it was sent; delivered() until true: everything posted has
+//             landed (a failure comes back through `fault`: Fault::kTransport naming the first peer it failed
+//             for). The next round's deliver() comes only after delivered() returned true.
+//   receiver: arrived(p) is true while a signal of p has arrived that consume(p) has not yet taken; everything p
+//             delivered before that signal is then in the region, whole. A broken connection comes back through
+//             `fault`, after every signal that arrived before the break.
+// Abort words (post_abort) travel without a signal: a reader of abort words only asks "nonzero?".
+class Wire : public Transport {
+ public:
+  virtual void deliver(int peer, size_t offset, size_t bytes) = 0;
+  virtual void signal() = 0;
+  virtual bool delivered(uint64_t& fault) = 0;
+  virtual bool arrived(int peer, uint64_t& fault) = 0;
+  virtual void consume(int peer) = 0;
 };
 
 // One RDMA port and GID chosen for the connection to one peer (python/rocenante/_ib.py chooses them).
@@ -64,11 +75,19 @@ struct IbPath {
 std::unique_ptr<Transport> make_shm_transport(int rank, const RegionLayout& layout);
 // Same host, GPU memory: one cudaMalloc region per rank, mapped by peers through CUDA IPC.
 std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const RegionLayout& layout);
-// Other hosts (or ROCENANTE_NET=ib), CPU memory: one RC queue pair per peer over RoCE v2, paths[p] for peer p
-// (paths[rank] unused). Throws InvalidArgument when rocenante was built without rdma-core's headers, Error
-// when libibverbs.so.1 cannot be loaded or a device, port or GID is unusable.
-std::unique_ptr<Transport> make_ibverbs_transport(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths);
-// Whether make_ibverbs_transport was built (rdma-core's headers were found at build time).
+// Other hosts (or ROCENANTE_NET=ib): one RC queue pair per peer over RoCE v2, paths[p] for peer p (paths[rank]
+// unused); the region and image are host memory. Throws InvalidArgument when rocenante was built without
+// rdma-core's headers, Error when libibverbs.so.1 cannot be loaded or a device, port or GID is unusable.
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths);
+// ROCENANTE_NET=tcp, a test vehicle: every peer through TCP over loopback, as if it were on another host. Each
+// delivery's segments are placed in random order, 32-bit word by word, so that a format relying on placement
+// order fails its tests. The region and image are host memory.
+std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout);
+// Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
+// loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
+std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
+                                      OneshotKernel* kernel);
+// Whether make_ibverbs_wire was built (rdma-core's headers were found at build time).
 extern const bool kWithIbverbs;
 
 // The value of a Fault::kTransport word: a verbs completion status (enum ibv_wc_status, below 0x100), or one of
@@ -77,6 +96,7 @@ constexpr uint32_t kPostFailed = 0x100;    // ibv_post_send refused the write (t
 constexpr uint32_t kPollFailed = 0x101;    // ibv_poll_cq failed
 constexpr uint32_t kNoCompletion = 0x102;  // no completion within four times the retransmission budget
 constexpr uint32_t kBadSignal = 0x103;     // a peer's delivery signal arrived out of sequence
+constexpr uint32_t kConnectionClosed = 0x104;  // the TCP wire's connection ended (the peer closed or died)
 // A kTransport value in words, e.g. "transport retry counter exceeded (verbs status 12)".
 std::string transport_status(uint32_t status);
 
