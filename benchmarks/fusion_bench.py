@@ -33,6 +33,15 @@ HIDDENS = [4096, 8192]
 EPS = 1e-6
 
 
+METHOD = {
+    "script": "benchmarks/fusion_bench.py",
+    "arm_order": "every arm interleaved in one run; round-robin order shifted by one arm every round",
+    "before_each_measurement": "barrier across ranks (gloo), then (graphs) the runner's GPU sleep before replay",
+    "measurement": "one CUDA graph of `ops` calls per arm and shape (CPU: eager), timed as a whole, per call",
+    "statistic": "slower rank per measurement; median, p10 and p90 over rounds",
+}
+
+
 class FusionArm:
     """One way of computing (residual_out, norm_out) from this rank's partial sum, for runner.Measurement:
     prepare() builds the tensors of one (tokens, hidden), call() runs once."""
@@ -71,7 +80,7 @@ class FusionArm:
 
 
 def worker(store, rank, world, cfg):
-    from rocenante.bench.runner import Measurement, _percentile
+    from rocenante.bench.runner import SLEEP_BEFORE_REPLAY_US, Measurement, percentile, sleep_cycles_per_us
     from rocenante.flashinfer import create_allreduce_fusion_workspace
 
     cuda = cfg["device"] == "cuda"
@@ -87,13 +96,15 @@ def worker(store, rank, world, cfg):
                                                   dtype, group=control)
     ctx = {"device": device, "workspace": workspace, "nccl": nccl}
     arms = [FusionArm(name, ctx) for name in cfg["arms"]]
+    sleep_cycles = int(sleep_cycles_per_us() * SLEEP_BEFORE_REPLAY_US) if cuda else 0
     rows = []
     for hidden in cfg["hiddens"]:
         for tokens in cfg["tokens"]:
             live = []
             for arm in arms:
                 arm.hidden = hidden
-                live.append(Measurement(arm, tokens * hidden, dtype, mode, cfg["ops"]))  # graphs keep the arm's
+                x, y = arm.prepare(tokens * hidden, dtype)  # graphs keep the arm's tensors
+                live.append(Measurement(arm, x, y, mode, cfg["ops"], sleep_cycles))
             samples = {m.arm.name: [] for m in live}
             for rep in range(cfg["rounds"]):
                 for m in live[rep % len(live):] + live[: rep % len(live)]:
@@ -106,9 +117,11 @@ def worker(store, rank, world, cfg):
                 rows.append({"arm": m.arm.name, "mode": mode, "dtype": cfg["dtype"],
                              "bytes": tokens * hidden * torch.empty((), dtype=dtype).element_size(),
                              "count": tokens * hidden, "tokens": tokens, "hidden": hidden,
-                             "median_us": statistics.median(per_round), "p10_us": _percentile(per_round, 0.1),
-                             "p90_us": _percentile(per_round, 0.9), "ops_per_measurement": cfg["ops"],
+                             "median_us": statistics.median(per_round), "p10_us": percentile(per_round, 0.1),
+                             "p90_us": percentile(per_round, 0.9), "ops_per_measurement": cfg["ops"],
                              "measurements": len(per_round)})
+            for m in live:
+                m.close()
             del live
             if cuda:
                 torch.cuda.synchronize()
@@ -165,6 +178,7 @@ def main(argv=None) -> int:
         p.error(f"needs 2..{torch.cuda.device_count()} ranks, one GPU each")
     cfg = {"device": a.device, "rounds": a.rounds, "ops": a.ops, "dtype": a.dtype, "arms": a.arms.split(","),
            "tokens": [int(t) for t in a.tokens.split(",")], "hiddens": [int(h) for h in a.hiddens.split(",")]}
+    load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,7 +196,7 @@ def main(argv=None) -> int:
         for r, err in sorted(failed.items()):
             print(f"rank {r} failed:\n{err}", file=sys.stderr)
         return 1
-    result = {"schema": report.SCHEMA, "provenance": provenance.collect(a.device), "world_size": world,
+    result = {"schema": report.SCHEMA, "provenance": provenance.collect(a.device, METHOD, load_before), "world_size": world,
               "config": cfg, "rows": results[0], "summary": summarize(results[0])}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     report.write_json(result, a.out)
