@@ -46,6 +46,10 @@ PYBIND11_MODULE(_C, m) {
       .value("max", rocenante::ReduceOp::kMax)
       .value("min", rocenante::ReduceOp::kMin);
 
+  py::enum_<rocenante::Net>(m, "Net")
+      .value("direct", rocenante::Net::kDirect)
+      .value("ib", rocenante::Net::kIb)
+      .value("tcp", rocenante::Net::kTcp);
   py::enum_<rocenante::OnFault>(m, "OnFault")
       .value("raise_", rocenante::OnFault::kRaise)
       .value("abort", rocenante::OnFault::kAbort);
@@ -81,13 +85,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
-                       rocenante::OnFault on_fault, const std::vector<std::tuple<std::string, int, int>>& rdma_paths) {
+                       rocenante::OnFault on_fault, rocenante::Net net,
+                       const std::vector<std::tuple<std::string, int, int>>& rdma_paths) {
              std::vector<rocenante::IbPath> paths;
              for (const auto& [dev, port, gid] : rdma_paths) paths.push_back({dev, port, gid});
-             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, paths);
+             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
-           py::arg("on_fault"), py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{})
+           py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
+           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{})
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       .def("connect", &Communicator::connect, py::arg("handles"))
       .def("all_connected", &Communicator::all_connected)

@@ -148,7 +148,7 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kPeerExited: return "rank " + peer + "'s process ended";
     case Fault::kRefused: return "rank " + peer + " refused a call for a reason only it could see";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
-    case Fault::kTransport: return "its RDMA write to rank " + peer + " failed";
+    case Fault::kTransport: return "its network path to rank " + peer + " failed";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
     case Fault::kNone: break;
   }
@@ -160,7 +160,7 @@ std::string abort_reason(uint32_t cause) {
 InterruptCheck Communicator::interrupt_check_ = nullptr;
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-                           const std::vector<IbPath>& rdma_paths)
+                           Net net, const std::vector<IbPath>& rdma_paths)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, pidfds_(world, -1) {
   if (world < 1 || world > kMaxRanks)
@@ -174,16 +174,24 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
-  if (!rdma_paths.empty()) {
-    if (device_ >= 0)
-      ROCENANTE_THROW(InvalidArgument, "rank " + std::to_string(rank) + ": GPU tensors over RDMA are not supported yet "
-                                       "(they come with RDMA part 2/2); use CPU tensors, or keep every rank on one host");
-    transport_ = make_ibverbs_transport(rank, layout_, rdma_paths);
-  } else if (device_ < 0) {
-    transport_ = make_shm_transport(rank, layout_);
+  if (net != Net::kDirect && net != Net::kIb && net != Net::kTcp)
+    ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
+  if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_);
+  if (net == Net::kDirect) {
+    transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
-    kernel_ = make_oneshot_kernel(device_, world_);
-    transport_ = make_cuda_ipc_transport(rank, device_, layout_);
+    std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths) : make_tcp_wire(rank, layout_);
+    transport_ = make_proxy(rank, layout_, std::move(wire), kernel_.get());
+    network_ = ((1u << world) - 1) & ~(1u << rank);
+  }
+  // Every direct peer's region is stored to; the network peers share one image, in which this rank's area has
+  // one offset for the peers below it and one for those above (layout.h): one store each is enough.
+  bool below = false, above = false;
+  for (int p = 0; p < world; ++p) {
+    if (p == rank) continue;
+    bool& first = p < rank ? below : above;
+    if (!(network_ & (1u << p)) || !first) stores_ |= 1u << p;
+    if (network_ & (1u << p)) first = true;
   }
 }
 
@@ -260,6 +268,9 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   a.layout = layout_;
   a.local = transport_->local_region();
   for (int p = 0; p < world_; ++p) a.peer[p] = p == rank_ ? nullptr : transport_->peer_region(p);
+  a.network = network_;
+  a.stores = stores_;
+  a.mailbox = transport_->mailbox();
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
 
   // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A piece is a
@@ -279,8 +290,7 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
       if (kernel_->launch(a, stream)) captured_ = true;
       continue;
     }
-    const uint64_t fault =
-        host_allreduce(a, epoch, reset_span_, interrupt_check_, transport_->remote() ? transport_.get() : nullptr);
+    const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
     reset_span_ = span_bytes(a.bytes, dtype);
     if (fault == 0) continue;
     // Poison what later pieces would have computed, as host_allreduce did for the rest of this one.
@@ -339,7 +349,8 @@ uint64_t Communicator::current_fault() {
   if (const uint64_t f = fault_.load()) return f;
   if (kernel_ == nullptr) return 0;
   const FaultRecord r = kernel_->fault();
-  if (r.word != 0) record(r.word, r.epoch);
+  // The kernel told its direct peers (abort words over NVLink); network peers hear it from here.
+  if (r.word != 0 && record(r.word, r.epoch) && network_ != 0) tell_peers(r.word, r.epoch);
   return fault_.load();
 }
 
@@ -401,7 +412,7 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
     case Fault::kInterrupted:
       return where + "interrupted by a signal while waiting for peers; they were told" + closed;
     case Fault::kTransport:
-      return where + "an RDMA write to rank " + std::to_string(detail) + " failed: " +
+      return where + "the network path to rank " + std::to_string(detail) + " failed: " +
              transport_status(fault_value(fault)) + closed;
     case Fault::kNone: break;
   }

@@ -21,17 +21,21 @@ namespace rocenante {
 // and end the process with SIGABRT.
 enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 
+// How peers are reached: direct (shared memory for CPU tensors, CUDA IPC for GPU tensors; every peer on this
+// host), or through a network wire driven by a proxy thread (transport/proxy.cc): RDMA verbs, or the TCP
+// software wire (loopback, a test vehicle).
+enum class Net : uint32_t { kDirect = 0, kIb = 1, kTcp = 2 };
+
 class Communicator {
  public:
   // Longest wait for a peer, in seconds (about 31.7 years); longer timeouts, infinity included, are clamped to
   // it: in nanoseconds, added to any clock the waits read (%globaltimer counts from 1970), it cannot overflow.
   static constexpr double kMaxTimeoutS = 1e9;
 
-  // device < 0: CPU memory; otherwise the CUDA device ordinal. rdma_paths empty: every peer on this host
-  // (shared memory, CUDA IPC); else one path per rank (its own entry unused) and every peer is reached by RDMA
-  // (CPU memory only, for now). timeout_s > 0, clamped to kMaxTimeoutS.
+  // device < 0: CPU memory; otherwise the CUDA device ordinal. net: how every peer is reached; Net::kIb takes
+  // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-               const std::vector<IbPath>& rdma_paths = {});
+               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {});
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -97,6 +101,8 @@ class Communicator {
   double timeout_s_;
   OnFault on_fault_;
   RegionLayout layout_;
+  uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
+  uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order

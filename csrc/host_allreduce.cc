@@ -27,7 +27,6 @@
 
 #include "allreduce_args.h"
 #include "chunk_reduce.h"
-#include "transport/transport.h"
 
 namespace rocenante {
 namespace {
@@ -326,7 +325,7 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks) {
   uint32_t* dst[kMaxRanks];
   int peers = 0;
   for (int p = 0; p < a.world; ++p)
-    if (p != a.rank) dst[peers++] = area(a.peer[p], a.layout, buffer, p, a.rank);
+    if (a.stores & (1u << p)) dst[peers++] = area(a.peer[p], a.layout, buffer, p, a.rank);
   Words staged[kBlockChunks];
   for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const size_t n = std::min(kBlockChunks, chunks - c0);
@@ -352,18 +351,23 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   done = 0;
-  // Every peer's call word first: no output before each one says the peer makes this very call.
+  // Every peer's call word first: no output before each one says the peer makes this very call. A network
+  // peer's words are read only once its delivery of this call has arrived whole (layout.h, Mailbox).
+  const auto call_of = [&](int s) {
+    if ((a.network & (1u << s)) && __atomic_load_n(&a.mailbox->arrived[buffer][s], __ATOMIC_ACQUIRE) != epoch)
+      return kEmpty;
+    return load_word(call_word(a.local, buffer, s));
+  };
   for (int s = 0; s < a.world; ++s) {
     if (s == a.rank) continue;
-    const uint32_t* word = call_word(a.local, buffer, s);
     uint32_t theirs = kEmpty;
-    uint64_t fault = wait_for(a, s, interrupted, [&] { return (theirs = load_word(word)) != kEmpty; });
+    uint64_t fault = wait_for(a, s, interrupted, [&] { return (theirs = call_of(s)) != kEmpty; });
     if (fault == 0 && theirs != call) fault = encode_fault(Fault::kCallMismatch, s, flag_signature(theirs, epoch));
     if (fault != 0) {
       if (fault_kind(fault) != Fault::kPeerTimeout) return fault;
       uint32_t missing = 0;  // name every peer still missing, not only the first one we waited for
       for (int t = s; t < a.world; ++t)
-        if (t != a.rank && load_word(call_word(a.local, buffer, t)) == kEmpty) missing |= 1u << t;
+        if (t != a.rank && call_of(t) == kEmpty) missing |= 1u << t;
       return encode_fault(Fault::kPeerTimeout, missing, 0);
     }
   }
@@ -386,50 +390,9 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
   return 0;
 }
 
-// Remote transports (transport.h): carries this call's call word and area from the image to every peer, at the
-// offsets they have in that peer's region, and waits until they landed. The area goes whole (span_bytes()):
-// for int32 that includes lines of the last group this call did not write, which the receiver never reads and
-// resets with the rest of the span.
-uint64_t deliver_call(const AllReduceArgs& a, int buffer, Transport& remote) {
-  const size_t span = span_bytes(a.bytes, a.dtype);
-  for (int p = 0; p < a.world; ++p) {
-    if (p == a.rank) continue;
-    remote.deliver(p, kCallWordsOffset + (size_t(buffer) * kMaxRanks + a.rank) * sizeof(uint32_t), sizeof(uint32_t));
-    remote.deliver(p, a.layout.area_offset(buffer, p, a.rank), span);
-  }
-  const uint64_t fault = remote.delivered();
-  // A peer that aborted (and closed its queue pairs) makes our writes fail: its abort word, already in our
-  // header, names the root cause.
-  if (fault != 0)
-    if (const uint64_t aborted = abort_seen(a, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
-      return aborted;
-  return fault;
-}
-
-// Remote transports: waits until every peer's delivery of this call has arrived whole (transport.h), so that
-// the pull reads complete words. Returns 0 or the fault that ended the wait.
-uint64_t wait_arrivals(const AllReduceArgs& a, InterruptCheck interrupted, Transport& remote) {
-  for (int s = 0; s < a.world; ++s) {
-    if (s == a.rank) continue;
-    uint64_t broken = 0;
-    const uint64_t fault = wait_for(a, s, interrupted, [&] { return remote.arrived(s, broken) || broken != 0; });
-    if (broken != 0) return broken;
-    if (fault_kind(fault) == Fault::kPeerTimeout) {
-      uint32_t missing = 0;  // name every peer still missing, not only the first one we waited for
-      for (int t = s; t < a.world; ++t)
-        if (t != a.rank && !remote.arrived(t, broken)) missing |= 1u << t;
-      return encode_fault(Fault::kPeerTimeout, missing, 0);
-    }
-    if (fault != 0) return fault;
-  }
-  remote.consume_arrivals();
-  return 0;
-}
-
 }  // namespace
 
-uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_span, InterruptCheck interrupted,
-                        Transport* remote) {
+uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_span, InterruptCheck interrupted) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
@@ -438,10 +401,11 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
   // release orders those earlier stores before the pushes below.
   std::atomic_thread_fence(std::memory_order_release);
   for (int p = 0; p < a.world; ++p)
-    if (p != a.rank) store_word(call_word(a.peer[p], buffer, a.rank), call);
+    if (a.stores & (1u << p)) store_word(call_word(a.peer[p], buffer, a.rank), call);
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call, chunks); });
-
-  uint64_t fault = remote != nullptr ? deliver_call(a, buffer, *remote) : 0;
+  // Network peers: the proxy delivers what the image now holds (layout.h, Mailbox).
+  if (a.mailbox != nullptr)
+    __atomic_store_n(&a.mailbox->ring[buffer], ring_word(span_bytes(a.bytes, a.dtype), epoch), __ATOMIC_RELEASE);
 
   const int previous = previous_buffer(epoch);
   for (int s = 0; s < a.world; ++s) {
@@ -451,10 +415,9 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     for (size_t i = 0; i < reset_span / kChunkBytes; ++i) put_chunk(stale + i * 4, kEmptyChunk);
   }
 
-  if (remote != nullptr && fault == 0) fault = wait_arrivals(a, interrupted, *remote);
+  uint64_t fault = 0;
   size_t done = 0;
-  if (fault == 0)
-    dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
+  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
   if (fault != 0) {
     const uint32_t poison = poison_word(a.dtype);
     for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))

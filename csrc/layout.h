@@ -179,8 +179,11 @@ struct RegionLayout {
 };
 // A region is addressed as 32-bit words (the unit of kEmpty); these name its parts.
 ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
+ROCENANTE_HD size_t call_word_offset(int buffer, int source) {
+  return kCallWordsOffset + (size_t(buffer) * kMaxRanks + size_t(source)) * sizeof(uint32_t);
+}
 ROCENANTE_HD uint32_t* call_word(uint32_t* region, int buffer, int source) {
-  return region + (kCallWordsOffset / sizeof(uint32_t)) + buffer * kMaxRanks + source;
+  return region + call_word_offset(buffer, source) / sizeof(uint32_t);
 }
 ROCENANTE_HD uint32_t* area(uint32_t* region, const RegionLayout& l, int buffer, int receiver, int source) {
   return region + l.area_offset(buffer, receiver, source) / sizeof(uint32_t);

@@ -139,8 +139,8 @@ def test_environment_ours_wins_over_nccls(monkeypatch):
     monkeypatch.setenv("ROCENANTE_IB_GID_INDEX", "-1")
     with pytest.raises(ValueError, match="ROCENANTE_IB_GID_INDEX='-1'"):
         _env.ib_gid_index()
-    monkeypatch.setenv("ROCENANTE_NET", "tcp")
-    with pytest.raises(ValueError, match="ROCENANTE_NET='tcp'"):
+    monkeypatch.setenv("ROCENANTE_NET", "roce")
+    with pytest.raises(ValueError, match="ROCENANTE_NET='roce'"):
         _env.net()
 
 

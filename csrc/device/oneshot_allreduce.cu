@@ -47,6 +47,8 @@ struct DeviceState {
   uint32_t* spans;
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
+  // Network peers: CTAs of this launch that have finished their stores into the images (ring_doorbell()).
+  uint32_t* sent;
 };
 
 constexpr int kThreads = 256;         // per CTA; small messages use fewer (a multiple of a warp)
@@ -112,9 +114,24 @@ __device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint6
   store_release_sys(&s.record->epoch, epoch);
   store_release_sys(&s.record->word, fault);
   if (before != 0) return;
+  // Network peers are told by the host, which reads this record (Communicator::current_fault()).
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p)
-    if (p < a.world && p != a.rank) store_release_sys(abort_word(a.peer[p], a.rank), abort_from(fault, epoch));
+    if (p < a.world && p != a.rank && !(a.network & (1u << p)))
+      store_release_sys(abort_word(a.peer[p], a.rank), abort_from(fault, epoch));
+}
+
+// Network peers: the last CTA to finish its stores into the images rings this call's doorbell, once every
+// CTA's stores are visible to the proxy (layout.h, Mailbox). Every thread of the launch takes part (the
+// barrier), whether or not it sent anything: a thread that saw a fault sent nothing, and its chunks stay kEmpty
+// in the delivered image, which no peer takes for data.
+__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer, size_t span) {
+  __threadfence_system();  // this thread's image stores, before its CTA is counted
+  __syncthreads();
+  if (threadIdx.x != 0 || atomicAdd(s.sent, 1) != gridDim.x - 1) return;
+  *s.sent = 0;  // for the next launch, which starts after this one completed
+  __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
+  store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
 }
 
 // At a timer read: 0 to keep waiting, or the fault that ends the wait (an earlier fault of this launch is
@@ -203,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
     if (first == 0) {
 #pragma unroll
       for (int p = 0; p < W; ++p)
-        if (p < a.world && p != a.rank) store_remote(call_word(a.peer[p], buffer, a.rank), call);
+        if (p < a.world && (a.stores & (1u << p))) store_remote(call_word(a.peer[p], buffer, a.rank), call);
     }
     // kSendBatch chunks at a time: their input loads are all in flight before the first store (the stores'
     // memory clobber keeps the compiler from moving later loads above them).
@@ -218,11 +235,13 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
         sanitize<D>(w[i]);
 #pragma unroll
         for (int p = 0; p < W; ++p)
-          if (p < a.world && p != a.rank)
+          if (p < a.world && (a.stores & (1u << p)))
             send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c0 + i * stride, w[i], call);
       }
     }
   }
+
+  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D));
 
   // Reset the previous call's buffer while our data travels (layout.h says why it is free by now).
   const int previous = previous_buffer(epoch);
@@ -255,7 +274,9 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
 #pragma unroll
       for (int p = 0; p < W; ++p) {
         if (!(pending & (1u << p))) continue;
-        if (!(calls_seen & (1u << p))) {
+        // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
+        if (!(calls_seen & (1u << p)) &&
+            (!(a.network & (1u << p)) || load_acquire_sys(&a.mailbox->arrived[buffer][p]) == epoch)) {
           const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
           if (theirs == call) {
             calls_seen |= 1u << p;
@@ -264,6 +285,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
             failed = true;
           }
         }
+        if ((a.network & (1u << p)) && !(calls_seen & (1u << p))) continue;
         const bool arrived = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
         if (arrived && (calls_seen & (1u << p))) pending &= ~(1u << p);
       }
@@ -362,11 +384,13 @@ class CudaOneshotKernel final : public OneshotKernel {
       // and the peer's resident CTAs may be waiting for ours in turn.
       max_blocks_ = std::min(kMaxBlocks, multiprocessors * resident_blocks_per_sm(world));
       state_.copies = max_blocks_;
-      // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers].
-      ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, (kMaxBlocks + 1 + kBuffers) * sizeof(uint32_t)));
+      // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers], sent.
+      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 1;
+      ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
       state_.spans = state_.fault_mask + 1;
-      std::vector<uint32_t> init(kMaxBlocks + 1 + kBuffers, 0);  // no fault; every buffer is empty
+      state_.sent = state_.spans + kBuffers;
+      std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, 1);     // every rank starts at epoch 1
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord), cudaHostAllocMapped));
@@ -424,6 +448,22 @@ class CudaOneshotKernel final : public OneshotKernel {
     if (status == cudaErrorNotReady) return false;
     ROCENANTE_CHECK_CUDA(status);
     return true;
+  }
+
+  std::shared_ptr<void> map_host(void* host, size_t bytes, void*& device_address) override {
+    DeviceGuard guard(device_);
+    ROCENANTE_CHECK_CUDA(cudaHostRegister(host, bytes, cudaHostRegisterMapped));
+    const int device = device_;
+    std::shared_ptr<void> mapping(host, [device](void* p) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaHostUnregister(p);
+      cudaGetLastError();  // a failure here is not the next launch's error (cuda_check.h)
+      cudaSetDevice(previous);
+    });
+    ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(&device_address, host, 0));
+    return mapping;
   }
 
   FaultRecord fault() const override {

@@ -3,7 +3,9 @@
 // (lines) need no fence: every word a peer stores validates itself, whatever order the words land in. Epoch and
 // spans: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
 // and abort words: seen by the host and by peer GPUs (system scope); the release orders what a thread wrote
-// before them (e.g. the record's epoch) first.
+// before them (e.g. the record's epoch) first. Mailbox (network peers, layout.h): the ring is stored with
+// release and the arrival words are loaded with acquire, at system scope, since the proxy thread on the host
+// is the other side.
 #pragma once
 
 #include <cstdint>
@@ -63,6 +65,11 @@ __device__ __forceinline__ void store_relaxed(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {

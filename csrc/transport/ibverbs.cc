@@ -12,10 +12,10 @@
 // No relaxed ordering on any registration: the protocol needs no order among a call's writes (below), and
 // leaving it off keeps PCIe ordering the same as without RDMA for anything that may come to rely on it.
 //
-// Data path, per call (host_allreduce.cc): the host fills the image, deliver(p, offset, bytes) posts one RDMA
-// WRITE of image[offset, offset + bytes) to the same offset of p's region for each peer, and delivered() posts
-// one zero-length RDMA WRITE WITH IMMEDIATE per peer (its signal, carrying a per-peer sequence number) and
-// waits for the completions of all of them. The receiver reads a peer's bytes only after that signal's receive
+// Data path, per call (driven by the proxy, proxy.cc): the reducer fills the image, deliver(p, offset, bytes)
+// posts one RDMA WRITE of image[offset, offset + bytes) to the same offset of p's region for each peer,
+// signal() posts one zero-length RDMA WRITE WITH IMMEDIATE per peer (its signal, carrying a per-peer sequence
+// number), and delivered() polls for the completions of all of them. The receiver reads a peer's bytes only after that signal's receive
 // completion: RC executes a QP's requests in order and reports a receive completion only once its message and
 // every earlier one have been placed, whereas the words themselves may land in pieces (SoftRoCE under an
 // emulated CPU copies byte by byte: a reader polling the words saw a flag half written). Abort words are 8-byte
@@ -25,7 +25,7 @@
 // buffers; in call e a sender writes buffer e%3 of each peer's region and nothing else but abort words, and a
 // receiver resets buffer (e-1)%3 of its own region during call e). For one sender p and one receiver r:
 //   1. p posts its writes of call e to r only after every write it posted to r before (call e-1's, its
-//      signal included) completed: delivered() returns only then, and calls are serialised per communicator.
+//      signal included) completed: the proxy takes call e only once delivered() returned true for call e-1.
 //   2. A completion at p means r's NIC acknowledged the request. An RC responder executes requests once each,
 //      in PSN order ("A responder shall execute SEND requests, RDMA WRITE requests and ATOMIC Operation requests
 //      in the message order in which they are received", IBTA vol. 1 rel. 1.4, p. 291), so when call e-1's
@@ -200,9 +200,9 @@ struct PeerLink {
   uint32_t consumed = 0;   // arrivals the host path has used
 };
 
-class IbverbsTransport final : public Transport {
+class IbverbsWire final : public Wire {
  public:
-  IbverbsTransport(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths)
+  IbverbsWire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths)
       : rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), links_(layout.world) {
     const Verbs& v = verbs();
     if (int(paths.size()) != world_)
@@ -257,7 +257,7 @@ class IbverbsTransport final : public Transport {
     }
   }
 
-  ~IbverbsTransport() override { release(); }
+  ~IbverbsWire() override { release(); }
 
   std::string local_handle() const override {
     const HandleHeader h{kHandleMagic, uint32_t(world_), bytes_};
@@ -328,15 +328,13 @@ class IbverbsTransport final : public Transport {
   uint32_t* local_region() const override { return reinterpret_cast<uint32_t*>(block_); }
   uint32_t* peer_region(int) const override { return reinterpret_cast<uint32_t*>(block_ + bytes_); }
 
-  bool remote() const override { return true; }
-
   void deliver(int peer, size_t offset, size_t bytes) override {
     links_[peer].pending = true;
     if (bytes == 0) return;
     post_write(peer, block_ + bytes_ + offset, offset, bytes, uint64_t(peer) << 1);
   }
 
-  uint64_t delivered() override {
+  void signal() override {
     for (int p = 0; p < world_; ++p) {
       PeerLink& l = links_[p];
       if (!l.pending) continue;
@@ -350,11 +348,26 @@ class IbverbsTransport final : public Transport {
       wr.wr.rdma.rkey = l.remote.rkey;
       post(p, wr);
     }
-    uint64_t fault = post_fault_;
-    post_fault_ = 0;
-    for (Device& d : devices_)
-      if (const uint64_t f = drain(d); fault == 0) fault = f;
-    return fault;
+    signalled_ = std::chrono::steady_clock::now();
+  }
+
+  bool delivered(uint64_t& fault) override {
+    if (post_fault_ != 0) {
+      fault = post_fault_;
+      post_fault_ = 0;
+      return true;
+    }
+    bool done = true;
+    for (Device& d : devices_) {
+      const uint64_t f = poll_completions(d);
+      if (f != 0 && fault == 0) fault = f;
+      done = done && d.outstanding == 0;
+    }
+    if (done || fault != 0) return true;
+    if (std::chrono::steady_clock::now() - signalled_ < std::chrono::duration<double>(kCompletionWaitS)) return false;
+    for (Device& d : devices_)  // the NIC stopped reporting: this device's queue pairs are useless from here on
+      if (d.outstanding > 0 && fault == 0) fault = encode_fault(Fault::kTransport, first_peer_on(d), kNoCompletion);
+    return true;
   }
 
   bool arrived(int peer, uint64_t& fault) override {
@@ -388,10 +401,7 @@ class IbverbsTransport final : public Transport {
     return links_[peer].arrivals != links_[peer].consumed;
   }
 
-  void consume_arrivals() override {
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_) ++links_[p].consumed;
-  }
+  void consume(int peer) override { ++links_[peer].consumed; }
 
   void post_abort(int peer, uint64_t word) noexcept override {
     if (peer == rank_) {
@@ -405,7 +415,6 @@ class IbverbsTransport final : public Transport {
       post_write(peer, slot, size_t(rank_) * sizeof(uint64_t), sizeof(uint64_t), (uint64_t(peer) << 1) | 1);
     } catch (...) {
     }
-    post_fault_ = 0;
     drain(devices_[links_[peer].device]);  // a peer that cannot be told times out instead
   }
 
@@ -516,29 +525,28 @@ class IbverbsTransport final : public Transport {
     return ibv_post_recv(links_[peer].qp, &wr, &bad);
   }
 
-  // Waits for every write posted on `d` to complete; returns the first failure as a fault word.
-  uint64_t drain(Device& d) {
+  // Takes the completions `d` has now; returns the first failure among them as a fault word.
+  uint64_t poll_completions(Device& d) {
     uint64_t fault = 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCompletionWaitS);
-    uint32_t spins = 0;
-    while (d.outstanding > 0) {
-      ibv_wc wc[8];
-      const int n = ibv_poll_cq(d.cq, 8, wc);
+    ibv_wc wc[8];
+    for (int n; d.outstanding > 0 && (n = ibv_poll_cq(d.cq, 8, wc)) != 0;) {
       if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
       for (int i = 0; i < n; ++i) {
         --d.outstanding;
         if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
           fault = encode_fault(Fault::kTransport, uint32_t(wc[i].wr_id >> 1), uint32_t(wc[i].status));
       }
-      if (n > 0) continue;
-      if (++spins < 4000) continue;  // a round trip on a NIC is a few microseconds: spin through it
-      sched_yield();
-      if (std::chrono::steady_clock::now() > deadline) {
-        d.outstanding = 0;  // the NIC stopped reporting: this device's queue pairs are useless from here on
-        return encode_fault(Fault::kTransport, first_peer_on(d), kNoCompletion);
-      }
     }
     return fault;
+  }
+
+  // Waits, for at most kCompletionWaitS, until every write posted on `d` completed (an abort word's).
+  void drain(Device& d) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCompletionWaitS);
+    while (d.outstanding > 0 && std::chrono::steady_clock::now() < deadline) {
+      if (poll_completions(d) != 0) continue;
+      sched_yield();
+    }
   }
 
   uint32_t first_peer_on(const Device& d) const {
@@ -581,21 +589,21 @@ class IbverbsTransport final : public Transport {
   std::vector<Device> devices_;
   std::vector<PeerLink> links_;
   uint64_t post_fault_ = 0;  // a post the NIC refused, reported by the next delivered()
+  std::chrono::steady_clock::time_point signalled_{};  // when the last signal() posted
 };
 
 }  // namespace
 
 const bool kWithIbverbs = true;
 
-std::unique_ptr<Transport> make_ibverbs_transport(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths) {
-  return std::make_unique<IbverbsTransport>(rank, layout, paths);
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths) {
+  return std::make_unique<IbverbsWire>(rank, layout, paths);
 }
 
-std::string transport_status(uint32_t status) {
+std::string verbs_status(uint32_t status) {
   switch (status) {
     case kPostFailed: return "the NIC refused to post the write";
     case kPollFailed: return "polling the completion queue failed";
-    case kBadSignal: return "a delivery signal arrived out of sequence";
     case kNoCompletion:
       return "no completion within " + std::to_string(int(kCompletionWaitS)) + " s (the NIC stopped reporting)";
     default: break;

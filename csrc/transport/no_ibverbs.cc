@@ -7,11 +7,11 @@ namespace rocenante {
 
 const bool kWithIbverbs = false;
 
-std::unique_ptr<Transport> make_ibverbs_transport(int, const RegionLayout&, const std::vector<IbPath>&) {
+std::unique_ptr<Wire> make_ibverbs_wire(int, const RegionLayout&, const std::vector<IbPath>&) {
   ROCENANTE_THROW(InvalidArgument, "rocenante was built without rdma-core's headers (infiniband/verbs.h): RDMA is "
                                    "unavailable; install libibverbs-dev and rebuild");
 }
 
-std::string transport_status(uint32_t status) { return "verbs status " + std::to_string(status); }
+std::string verbs_status(uint32_t status) { return "verbs status " + std::to_string(status); }
 
 }  // namespace rocenante

@@ -97,7 +97,9 @@ constexpr uint32_t kPollFailed = 0x101;    // ibv_poll_cq failed
 constexpr uint32_t kNoCompletion = 0x102;  // no completion within four times the retransmission budget
 constexpr uint32_t kBadSignal = 0x103;     // a peer's delivery signal arrived out of sequence
 constexpr uint32_t kConnectionClosed = 0x104;  // the TCP wire's connection ended (the peer closed or died)
-// A kTransport value in words, e.g. "transport retry counter exceeded (verbs status 12)".
+// A kTransport value in words, e.g. "transport retry counter exceeded (verbs status 12)" (proxy.cc); the
+// verbs statuses and verbs-only values through verbs_status() (ibverbs.cc, or no_ibverbs.cc without rdma-core).
 std::string transport_status(uint32_t status);
+std::string verbs_status(uint32_t status);
 
 }  // namespace rocenante

@@ -105,10 +105,11 @@ def vllm() -> bool:
 
 def net() -> str:
     """ROCENANTE_NET: "" (default: peers on this host through shared memory / CUDA IPC, peers on other hosts
-    through RDMA) or "ib": every peer through RDMA, also on this host (tests in one VM, checking a node's NIC)."""
+    through RDMA), "ib": every peer through RDMA, also on this host (tests in one VM, checking a node's NIC), or
+    "tcp": every peer through the TCP software wire on loopback, a test vehicle for the network path (one host)."""
     raw = os.environ.get("ROCENANTE_NET", "").strip().lower()
-    if raw not in ("", "ib"):
-        raise ValueError(f"ROCENANTE_NET={raw!r}: use ib, or leave it unset")
+    if raw not in ("", "ib", "tcp"):
+        raise ValueError(f"ROCENANTE_NET={raw!r}: use ib or tcp, or leave it unset")
     return raw
 
 

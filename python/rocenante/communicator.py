@@ -98,14 +98,15 @@ def _parse_host_record(rank: int, raw: bytes) -> tuple[str, str]:
     """Rank `rank`'s host record, as read from the store: anything may have written it, so it is checked."""
     fields = raw.decode("utf-8", "replace").split("|")
     if len(fields) != 3 or not fields[0] or len(fields[0]) > _MAX_HOST_ID or not fields[0].isprintable() \
-            or fields[1] not in ("", "ib"):
+            or fields[1] not in ("", "ib", "tcp"):
         raise _C.RocenanteError(f"rank {rank} published a host record of {len(raw)} bytes that is not rocenante's")
     return fields[0], fields[1]
 
 
 class Communicator:
     """One-shot all-reduce among `world_size` processes: of one host (shared memory, CUDA IPC), or each on a
-    host of its own, CPU tensors only for now (RDMA over RoCE v2; ``ROCENANTE_NET=ib`` forces RDMA on one host).
+    host of its own (RDMA over RoCE v2, through a proxy thread; ``ROCENANTE_NET=ib`` forces RDMA on one host,
+    ``ROCENANTE_NET=tcp`` the TCP software wire, a test vehicle for the network path).
 
     Build it on every rank with the same store (TCPStore, FileStore, or the store of an existing process
     group), or from a process group with ``Communicator(group=pg)``. ``device`` is ``"cpu"`` (shared memory)
@@ -170,15 +171,14 @@ class Communicator:
             self.net = self._choose_net(store, prefix)
             paths = []
             if self.net == "ib":
-                if self.device.type != "cpu":
-                    raise ValueError(f"rank {rank}: GPU tensors over RDMA are not supported yet (RDMA part 2/2); "
-                                     "use CPU tensors, or keep every rank on one host")
                 gid_index, gid_source = _env.ib_gid_index()
                 chosen = _ib.choose_paths(rank, world_size, _ib.scan(), _env.ib_hca(), gid_index, gid_source or
                                           "ROCENANTE_IB_GID_INDEX")
                 _ib.log_once(rank, chosen)
                 paths = [(p.device, p.port, p.gid_index) if p is not None else ("", 0, 0) for p in chosen]
-            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, paths)
+            net = {"shm": _C.Net.direct, "ib": _C.Net.ib, "tcp": _C.Net.tcp}[self.net]
+            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, net,
+                                      paths)
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
@@ -199,7 +199,8 @@ class Communicator:
 
     def _choose_net(self, store, prefix: str) -> str:
         """"shm" when every rank is on this host, "ib" (RDMA) when every rank is on a host of its own or
-        ROCENANTE_NET=ib. Every rank publishes its host and setting, so all decide alike."""
+        ROCENANTE_NET=ib, "tcp" when ROCENANTE_NET=tcp (every rank on this host). Every rank publishes its host and
+        setting, so all decide alike."""
         forced = _env.net()
         if self.world_size == 1:
             return "shm"
@@ -214,11 +215,15 @@ class Communicator:
         if len(set(nets)) > 1:
             values = ", ".join(f"rank {r} {n!r}" for r, n in enumerate(nets))
             raise _C.RocenanteError(f"ranks disagree on ROCENANTE_NET: {values}; set it alike everywhere")
-        if forced == "ib":
+        if forced == "tcp" and len(set(hosts)) > 1:
+            raise _C.RocenanteError("ROCENANTE_NET=tcp is a test vehicle on loopback: every rank must be on one host, "
+                                    f"but they are on {len(set(hosts))}")
+        if forced:
             if self.rank == 0:
-                print("rocenante: ROCENANTE_NET=ib: every peer is reached by RDMA, also those on this host",
+                how = "by RDMA" if forced == "ib" else "through the TCP software wire (a test vehicle)"
+                print(f"rocenante: ROCENANTE_NET={forced}: every peer is reached {how}, also those on this host",
                       file=sys.stderr, flush=True)
-            return "ib"
+            return forced
         if len(set(hosts)) == 1:
             return "shm"
         if len(set(hosts)) == len(hosts):

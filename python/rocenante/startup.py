@@ -73,8 +73,6 @@ def disagreement(checks: list) -> Optional[str]:
     hosts = [c["host"] for c in checks]
     if len(set(hosts)) > 1:
         span = f"ranks span {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))})"
-        if checks[0]["device"] != "cpu":
-            return f"{span}: GPU tensors across hosts come with RDMA part 2/2"
         if len(set(hosts)) < len(hosts) and not _env.net():
             return f"{span}, some with several ranks: mixing shared memory and RDMA is not supported yet (ROCENANTE_NET=ib)"
     gpus = [c.get("gpu") for c in checks]

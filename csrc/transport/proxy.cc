@@ -1,0 +1,205 @@
+// The proxy: one thread per communicator that drives a network wire (transport.h) for the reducer. A kernel
+// cannot drive it (under CUDA-graph replay no host code runs per call), so the kernel and the proxy meet in a
+// mailbox (layout.h, Mailbox); the host loop uses the same mailbox, so that one path serves CPU and GPU tensors
+// and is tested with both.
+//
+// The thread polls, in a loop, under one mutex (post_abort() from other threads takes it too):
+//   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and the span
+//            of its area in the image to every peer, signal(), then delivered() until true before taking e + 1
+//            (transport.h: a round's writes have landed before the next round's are posted — the stale-write
+//            argument of ibverbs.cc rests on it).
+//   receive: when arrived(p): arrived[e_p % 3][p] = e_p (release), consume(p), and e_p moves on to the next
+//            epoch (every call is delivered to every peer once, so p's n-th delivery is its n-th call's).
+//   idle:    after kSpin without work it sleeps kNap between polls, so a first call after idle waits up to
+//            about kNap for each of its two proxy steps (ring taken, arrival seen) on top of its usual time.
+//   fault:   a wire failure is written into this rank's own abort word (the reducer's waits stop with it: the
+//            host loop raises it, the kernel records it for the watchdog), and into every peer's; then the
+//            thread stops. A connection that closed is no failure by itself (a peer closes after its last call):
+//            it becomes one when this rank was rung for a call the closed peer has not delivered.
+// The reducer's address space: the host's for the host loop; for a kernel the wire's region and image and the
+// mailbox are pinned and mapped (OneshotKernel::map_host), and the thread keeps using the host addresses.
+#include <sys/mman.h>
+#include <sys/prctl.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+
+#include "../errors.h"
+#include "transport.h"
+
+namespace rocenante {
+namespace {
+
+// Busy polling (with sched_yield, so that ranks and proxies sharing few cores still progress) lasts kSpin
+// after the last piece of work: long against the gap between a decode step's calls, short against an idle
+// server. Then each poll is followed by a kNap sleep, with the thread's timer slack cut to 1 us so that
+// the sleep ends close to kNap.
+constexpr std::chrono::microseconds kSpin{2000};
+constexpr std::chrono::microseconds kNap{50};
+constexpr unsigned long kTimerSlackNs = 1000;
+
+class Proxy final : public Transport {
+ public:
+  Proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire, OneshotKernel* kernel)
+      : rank_(rank), layout_(layout), wire_(std::move(wire)), kernel_(kernel) {
+    void* page = mmap(nullptr, sizeof(Mailbox), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (page == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
+    mailbox_ = new (page) Mailbox{};  // ring and arrival words 0: no epoch (calls start at 1)
+    try {
+      region_ = wire_->local_region();
+      image_ = wire_->peer_region(rank == 0 ? 1 : 0);
+      mapped_mailbox_ = mailbox_;
+      if (kernel_ != nullptr) {
+        void* address = nullptr;
+        mappings_[0] = kernel_->map_host(region_, layout_.region_bytes(), address);
+        region_ = static_cast<uint32_t*>(address);
+        mappings_[1] = kernel_->map_host(image_, layout_.region_bytes(), address);
+        image_ = static_cast<uint32_t*>(address);
+        mappings_[2] = kernel_->map_host(mailbox_, sizeof(Mailbox), address);
+        mapped_mailbox_ = static_cast<Mailbox*>(address);
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~Proxy() override { release(); }
+
+  std::string local_handle() const override { return wire_->local_handle(); }
+  void connect(const std::vector<std::string>& handles) override { wire_->connect(handles); }
+  void all_connected() override {
+    wire_->all_connected();
+    thread_ = std::thread([this] { run(); });
+  }
+  uint32_t* local_region() const override { return region_; }
+  uint32_t* peer_region(int) const override { return image_; }
+  Mailbox* mailbox() const override { return mapped_mailbox_; }
+
+  void post_abort(int peer, uint64_t word) noexcept override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    wire_->post_abort(peer, word);
+  }
+
+ private:
+  void run() {
+    prctl(PR_SET_TIMERSLACK, kTimerSlackNs);
+    const int world = layout_.world;
+    uint32_t send = 1;  // the next epoch to send (calls start at 1, as the reducers count)
+    bool sending = false;
+    uint32_t rung = 0;  // the last epoch rung: the reducer's current call (0: none yet)
+    uint32_t receive[kMaxRanks];  // per peer, the epoch of its next delivery
+    bool closed[kMaxRanks] = {};
+    for (uint32_t& e : receive) e = 1;
+    auto last_work = std::chrono::steady_clock::now();
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool worked = false;
+      uint64_t fault = 0;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
+        if (!sending && uint32_t(ring) == send) {
+          rung = send;
+          const int buffer = buffer_of(send);
+          for (int p = 0; p < world; ++p) {
+            if (p == rank_ || closed[p]) continue;
+            wire_->deliver(p, call_word_offset(buffer, rank_), sizeof(uint32_t));
+            wire_->deliver(p, layout_.area_offset(buffer, p, rank_), size_t(ring >> 32));
+          }
+          wire_->signal();
+          sending = worked = true;
+        }
+        if (sending) {
+          uint64_t failed = 0;
+          const bool done = wire_->delivered(failed);
+          if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
+          if (done || failed != 0) {
+            sending = false;
+            send = next_epoch(send);
+            worked = true;
+          }
+        }
+        for (int p = 0; p < world && fault == 0; ++p) {
+          if (p == rank_ || closed[p]) continue;
+          uint64_t failed = 0;
+          if (wire_->arrived(p, failed)) {
+            __atomic_store_n(&mailbox_->arrived[buffer_of(receive[p])][p], receive[p], __ATOMIC_RELEASE);
+            wire_->consume(p);
+            receive[p] = next_epoch(receive[p]);
+            worked = true;
+          } else if (failed != 0 && !closed_connection(failed, closed)) {
+            fault = failed;
+          }
+        }
+        // A closed peer fails this rank only once this rank is in a call that peer has not delivered.
+        for (int p = 0; p < world && fault == 0; ++p)
+          if (closed[p] && rung != 0 && receive[p] == rung)
+            fault = encode_fault(Fault::kTransport, uint32_t(p), kConnectionClosed);
+        if (fault != 0) {
+          wire_->post_abort(rank_, fault);
+          for (int p = 0; p < world; ++p)
+            if (p != rank_ && !closed[p]) wire_->post_abort(p, abort_from(fault, send));
+          return;
+        }
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (worked) {
+        last_work = now;
+      } else if (now - last_work < kSpin) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(kNap);
+      }
+    }
+  }
+
+  // A connection that closed is recorded in `closed` (no failure by itself); true if `fault` was one.
+  static bool closed_connection(uint64_t fault, bool (&closed)[kMaxRanks]) {
+    if (fault_kind(fault) != Fault::kTransport || fault_value(fault) != kConnectionClosed) return false;
+    closed[fault_detail(fault) % kMaxRanks] = true;
+    return true;
+  }
+
+  void release() noexcept {
+    if (thread_.joinable()) {
+      stop_.store(true);
+      thread_.join();
+    }
+    for (auto& m : mappings_) m.reset();  // before the memory they map goes
+    wire_.reset();
+    if (mailbox_ != nullptr) munmap(mailbox_, sizeof(Mailbox));
+    mailbox_ = nullptr;
+  }
+
+  int rank_;
+  RegionLayout layout_;
+  std::unique_ptr<Wire> wire_;
+  OneshotKernel* kernel_;
+  Mailbox* mailbox_ = nullptr;         // host address, the thread's
+  Mailbox* mapped_mailbox_ = nullptr;  // the reducer's
+  uint32_t* region_ = nullptr;         // the reducer's addresses of the wire's region and image
+  uint32_t* image_ = nullptr;
+  std::shared_ptr<void> mappings_[3];  // a kernel's mappings of region, image and mailbox
+  std::mutex mutex_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
+                                      OneshotKernel* kernel) {
+  return std::make_unique<Proxy>(rank, layout, std::move(wire), kernel);
+}
+
+std::string transport_status(uint32_t status) {
+  switch (status) {
+    case kBadSignal: return "a delivery signal arrived out of sequence";
+    case kConnectionClosed: return "the connection closed (the peer's process ended or it closed the communicator)";
+    default: return verbs_status(status);
+  }
+}
+
+}  // namespace rocenante
