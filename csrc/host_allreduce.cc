@@ -1,9 +1,11 @@
 // One-shot all-reduce between processes of one host, on the CPU: the protocol of layout.h run by one thread.
 //   1. push:  write the call word, then our input (Lamport: sanitized; int32: as lines) into our area of this
-//             call's buffer in every peer's region;
+//             call's buffer in every peer's region (network peers: in our image of it, then ring the proxy's
+//             doorbell, layout.h's Mailbox);
 //   2. reset: write kEmpty over the previous call's buffer of our own region;
-//   3. pull:  wait for every peer's call word, then block by block for every peer's data, combine all inputs
-//             in rank order and write the output.
+//   3. pull:  wait for every peer's call word (network peers: once their arrival word says the delivery is
+//             whole), then block by block for every peer's data, combine all inputs in rank order and write the
+//             output.
 //
 // Element atomicity (layout.h relies on it): every word a peer polls is written by one aligned store that
 // covers it whole, and read by one aligned load that covers it whole:

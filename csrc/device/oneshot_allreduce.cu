@@ -8,8 +8,13 @@
 //          the peer's call word equals ours, combines all inputs in rank order (fp32 accumulation) and writes
 //          the output chunk.
 //
+// Network peers (RDMA, the TCP wire: AllReduceArgs::network) are served by the same loop: the push goes into this
+// rank's image of their regions in pinned host memory, the last CTA to finish its stores rings the proxy's
+// doorbell, and a thread reads a network peer's call word and chunks only after that peer's arrival word says
+// its delivery of this call is whole (layout.h, Mailbox). Direct peers and network peers can sit side by side.
+//
 // No CTA waits for another CTA and no thread waits for anything but its own chunk and the call words, so there
-// is no barrier round. A thread that waits past the timeout, sees a call mismatch or reads an abort word records
+// is no barrier round (the doorbell's counter only counts CTAs that are done storing; none waits on it). A thread that waits past the timeout, sees a call mismatch or reads an abort word records
 // the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
 // computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
 // INT32_MIN), never a stale or partial sum.

@@ -107,10 +107,15 @@ def net() -> str:
     """ROCENANTE_NET: "" (default: peers on this host through shared memory / CUDA IPC, peers on other hosts
     through RDMA), "ib": every peer through RDMA, also on this host (tests in one VM, checking a node's NIC), or
     "tcp": every peer through the TCP software wire on loopback, a test vehicle for the network path (one host)."""
-    raw = os.environ.get("ROCENANTE_NET", "").strip().lower()
-    if raw not in ("", "ib", "tcp"):
-        raise ValueError(f"ROCENANTE_NET={raw!r}: use ib or tcp, or leave it unset")
-    return raw
+    return parse_net(os.environ.get("ROCENANTE_NET", ""), "ROCENANTE_NET")
+
+
+def parse_net(raw: str, source: str) -> str:
+    """A value of ROCENANTE_NET (or of Communicator's net=, named by `source`), checked."""
+    value = str(raw).strip().lower()
+    if value not in ("", "ib", "tcp"):
+        raise ValueError(f"{source}={raw!r}: use ib or tcp, or leave it unset")
+    return value
 
 
 def ib_hca():

@@ -115,6 +115,7 @@ class Communicator:
 
     ``name`` (default ``"default"``; with ``group=``, the group's name) keys the rendezvous: communicators built
     at the same time on one store need distinct names. A name may be reused once its previous communicator is built.
+    ``net`` (default: ``ROCENANTE_NET``) is ``""``, ``"ib"`` or ``"tcp"``, as that variable.
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class Communicator:
         capacity_bytes: Optional[int] = None,
         timeout_s: Optional[float] = None,
         name: Optional[str] = None,
+        net: Optional[str] = None,
     ):
         if group is not None:
             if store is not None or rank is not None or world_size is not None:
@@ -168,7 +170,7 @@ class Communicator:
         try:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
             on_fault = _C.OnFault.abort if _env.on_fault() == "abort" else _C.OnFault.raise_
-            self.net = self._choose_net(store, prefix)
+            self.net = self._choose_net(store, prefix, _env.net() if net is None else _env.parse_net(net, "net"))
             paths = []
             if self.net == "ib":
                 gid_index, gid_source = _env.ib_gid_index()
@@ -197,11 +199,10 @@ class Communicator:
                 "being built on this store at the same time (give each communicator a distinct name)"
             )
 
-    def _choose_net(self, store, prefix: str) -> str:
+    def _choose_net(self, store, prefix: str, forced: str) -> str:
         """"shm" when every rank is on this host, "ib" (RDMA) when every rank is on a host of its own or
         ROCENANTE_NET=ib, "tcp" when ROCENANTE_NET=tcp (every rank on this host). Every rank publishes its host and
         setting, so all decide alike."""
-        forced = _env.net()
         if self.world_size == 1:
             return "shm"
         self._claim(store, f"{prefix}/host/{self.rank}", f"{_host_id()}|{forced}|{id(self)}")

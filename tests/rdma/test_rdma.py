@@ -57,11 +57,14 @@ def _table(store, rank, world, seed):
 def test_dtypes_ops_random_sizes_bitwise_identical_across_ranks(world):
     results = expect_ok(run(world, _table, 1000 + world))
     assert all(r[0] == results[0][0] for r in results), "ranks computed different bits"
+    # Over a network a rank may hear of the mismatch from a peer's abort word before the odd call's delivery
+    # arrives (the abort travels on its own, outside the proxy's delivery rounds): it then names the peer that
+    # saw the mismatch and that peer's view of it. Either way every rank names a mismatch.
+    last = world - 1
     for rank, (_, mismatch) in enumerate(results):
-        if rank != world - 1:
-            assert f"rank {world - 1} called all_reduce with 9 x float32" in mismatch, mismatch
-        else:
-            assert "called all_reduce with 8 x float32" in mismatch, mismatch
+        seen = f"rank {last} called all_reduce with 9 x float32" if rank != last else "called all_reduce with 8 x float32"
+        relayed = re.search(r"rank \d aborted the communicator: rank \d made a different call", mismatch)
+        assert seen in mismatch or relayed, mismatch
 
 
 def _victim(store, rank, world, how, timeout_s):

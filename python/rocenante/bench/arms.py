@@ -37,7 +37,12 @@ class Arm:
 
 
 class Rocenante(Arm):
-    name = "rocenante"
+    """A communicator's all_reduce: "rocenante" (direct: CUDA IPC or shared memory), or "rocenante_net_tcp" (the
+    network path through the TCP software wire)."""
+
+    def __init__(self, ctx, name="rocenante"):
+        super().__init__(ctx)
+        self.name = name
 
     def call(self, x, y):
         self.ctx.comm.all_reduce(x, out=y)

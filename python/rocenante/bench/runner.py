@@ -340,6 +340,11 @@ def worker(store, rank, world, cfg, publish) -> None:
     # dist.all_reduce through the "rocenante" torch.distributed backend: the communicator plus dispatch.
     backend_group = dist.new_group(backend="rocenante")
     arms: list = [arms_mod.Rocenante(ctx), arms_mod.Collective(ctx, "rocenante_backend", backend_group)]
+    net_comm = None
+    if "rocenante_net_tcp" in cfg["arms"]:  # only on request: its proxy thread polls beside the other arms
+        net_comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"],
+                                          name="bench_net_tcp", net="tcp")
+        arms.append(arms_mod.Rocenante(Context(rank, world, device, net_comm), "rocenante_net_tcp"))
     skipped: dict = {}
     method: dict = {}
     if cuda:
@@ -370,6 +375,8 @@ def worker(store, rank, world, cfg, publish) -> None:
         torch.cuda.synchronize()
     dist.barrier(group=control)  # no rank frees what a peer may still be writing into
     comm.close()
+    if net_comm is not None:
+        net_comm.close()
     dist.destroy_process_group()
 
 
