@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "layout.h"
+#include "timeline.h"
 
 namespace rocenante {
 
@@ -27,6 +28,7 @@ struct AllReduceArgs {
   // area (a rank's area has one offset in the regions of all peers above it, another below: layout.h).
   uint32_t stores;
   Mailbox* mailbox;  // null when no peer is a network peer
+  Timeline* timeline;  // timeline builds (timeline.h), GPU: where the kernel records its events; else null
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
 };
 

@@ -64,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
   m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
+  m.attr("timeline_build") = rocenante::kTimeline;  // built with -DROCENANTE_TIMELINE=ON (csrc/timeline.h)
   m.attr("with_ibverbs") = rocenante::kWithIbverbs;
 
   // The wire format of layout.h, for tests that play a peer by writing a region by hand.
@@ -110,5 +111,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world", &Communicator::world)
       .def_property_readonly("device", &Communicator::device)
       .def_property_readonly("capacity_bytes", &Communicator::capacity_bytes)
-      .def_property_readonly("timeout_s", &Communicator::timeout_s);
+      .def_property_readonly("timeout_s", &Communicator::timeout_s)
+#ifdef ROCENANTE_TIMELINE
+      // Every slot's events, [slot][event] in nanoseconds (csrc/timeline.h), and the GPU-host clock offset.
+      .def("timeline", [](const Communicator& c) {
+             const rocenante::Timeline& t = c.timeline();
+             std::vector<std::vector<uint64_t>> slots(rocenante::kTimelineSlots);
+             for (int i = 0; i < rocenante::kTimelineSlots; ++i) slots[i].assign(t.ns[i], t.ns[i] + rocenante::kTimelineEvents);
+             return slots;
+           })
+      .def("clock_offset_ns", &Communicator::clock_offset_ns, py::call_guard<py::gil_scoped_release>())
+#endif
+      ;
 }

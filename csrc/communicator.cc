@@ -177,11 +177,17 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (net != Net::kDirect && net != Net::kIb && net != Net::kTcp)
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_);
+  if constexpr (kTimeline) {
+    timeline_ = std::make_shared<Timeline>();
+    void* address = nullptr;
+    if (kernel_) timeline_mapping_ = kernel_->map_host(timeline_.get(), sizeof(Timeline), address);
+    device_timeline_ = static_cast<Timeline*>(address);
+  }
   if (net == Net::kDirect) {
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
     std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths) : make_tcp_wire(rank, layout_);
-    transport_ = make_proxy(rank, layout_, std::move(wire), kernel_.get());
+    transport_ = make_proxy(rank, layout_, std::move(wire), kernel_.get(), timeline_.get());
     network_ = ((1u << world) - 1) & ~(1u << rank);
   }
   // Every direct peer's region is stored to; the network peers share one image, in which this rank's area has
@@ -271,6 +277,7 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   a.network = network_;
   a.stores = stores_;
   a.mailbox = transport_->mailbox();
+  a.timeline = device_timeline_;
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
 
   // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A piece is a

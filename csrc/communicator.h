@@ -75,6 +75,12 @@ class Communicator {
   size_t capacity_bytes() const { return layout_.capacity_bytes; }
   double timeout_s() const { return timeout_s_; }
 
+#ifdef ROCENANTE_TIMELINE
+  // The timeline so far (timeline.h), and %globaltimer minus CLOCK_REALTIME (GPU communicators; 0 for CPU).
+  const Timeline& timeline() const { return *timeline_; }
+  int64_t clock_offset_ns() { return kernel_ ? kernel_->clock_offset_ns() : 0; }
+#endif
+
   // How host waits (the CPU path) learn of Ctrl-C; set once by the bindings.
   static void set_interrupt_check(InterruptCheck check) { interrupt_check_ = check; }
 
@@ -103,6 +109,9 @@ class Communicator {
   RegionLayout layout_;
   uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
   uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
+  std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into
+  Timeline* device_timeline_ = nullptr;  // ... and the kernel's address of it (GPU communicators)
+  std::shared_ptr<void> timeline_mapping_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order

@@ -18,6 +18,8 @@
 // the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
 // computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
 // INT32_MIN), never a stale or partial sum.
+#include <time.h>
+
 #include <algorithm>
 #include <optional>
 #include <vector>
@@ -108,6 +110,12 @@ __device__ void store_poison(const AllReduceArgs& a, size_t c) {
   store_chunk(a, c, w);
 }
 
+// Timeline builds: records `event` of call `epoch` on %globaltimer (timeline.h).
+__device__ __forceinline__ void note(const AllReduceArgs& a, uint32_t epoch, TimelineEvent event) {
+  if constexpr (kTimeline)
+    if (a.timeline != nullptr) *reinterpret_cast<volatile uint64_t*>(&a.timeline->ns[epoch % kTimelineSlots][event]) = global_timer_ns();
+}
+
 // Records `fault` (a timeout's peers are merged across threads) and, for the first fault of the
 // communicator, writes our abort word into every peer's region.
 __device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
@@ -136,6 +144,7 @@ __device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint
   if (threadIdx.x != 0 || atomicAdd(s.sent, 1) != gridDim.x - 1) return;
   *s.sent = 0;  // for the next launch, which starts after this one completed
   __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
+  note(a, epoch, kKernelRing);
   store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
 }
 
@@ -220,6 +229,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   // A communicator that faulted before this launch sends nothing and poisons everything.
   bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
+  if (first == 0) note(a, epoch, kKernelStart);
 
   if (!failed) {
     if (first == 0) {
@@ -310,6 +320,7 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
       store_poison(a, c);
       continue;
     }
+    if (c == 0) note(a, epoch, kKernelArrived);
 
     typename Chunk<D>::Acc acc[Chunk<D>::kElems];
 #pragma unroll
@@ -329,12 +340,43 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
     store_chunk(a, c, w);
   }
 
+  if (first == 0) note(a, epoch, kKernelEnd);
   // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
   // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
   __syncthreads();
   for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < s.copies; j += gridDim.x * blockDim.x)
     store_relaxed(&s.epochs[j], next_epoch(epoch));
 }
+
+#ifdef ROCENANTE_TIMELINE
+// Clock calibration (clock_offset_ns()): the host writes a sequence number, the GPU answers with its
+// %globaltimer and the same number, in mapped host memory.
+struct ClockPing {
+  uint32_t host_seq;
+  uint32_t gpu_seq;
+  uint64_t gpu_time;
+};
+constexpr uint32_t kClockPings = 200;
+constexpr uint32_t kClockStop = 0xFFFFFFFFu;
+
+__global__ void clock_ping_kernel(ClockPing* ping) {
+  volatile ClockPing* p = ping;
+  for (uint32_t i = 1; i <= kClockPings; ++i) {
+    uint32_t seen;
+    while ((seen = p->host_seq) != i && seen != kClockStop) {}
+    if (seen == kClockStop) return;
+    p->gpu_time = global_timer_ns();
+    __threadfence_system();
+    p->gpu_seq = i;
+  }
+}
+
+int64_t realtime_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_REALTIME, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+#endif
 
 struct LaunchShape {
   int blocks;
@@ -470,6 +512,45 @@ class CudaOneshotKernel final : public OneshotKernel {
     ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(&device_address, host, 0));
     return mapping;
   }
+
+#ifdef ROCENANTE_TIMELINE
+  int64_t clock_offset_ns() override {
+    DeviceGuard guard(device_);
+    ClockPing* ping = nullptr;
+    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ping), sizeof(ClockPing), cudaHostAllocMapped));
+    *ping = ClockPing{};
+    ClockPing* mapped = nullptr;
+    cudaStream_t stream = nullptr;
+    int64_t best_round_trip = INT64_MAX, offset = 0;
+    const int64_t deadline = realtime_ns() + 10'000'000'000;  // a kernel that never starts must not hang us
+    try {
+      ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), ping, 0));
+      ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      clock_ping_kernel<<<1, 1, 0, stream>>>(mapped);
+      ROCENANTE_CHECK_CUDA(cudaGetLastError());
+      for (uint32_t i = 1; i <= kClockPings; ++i) {
+        const int64_t sent = realtime_ns();
+        __atomic_store_n(&ping->host_seq, i, __ATOMIC_RELEASE);
+        while (__atomic_load_n(&ping->gpu_seq, __ATOMIC_ACQUIRE) != i)
+          if (realtime_ns() > deadline) ROCENANTE_THROW(Error, "clock calibration: the GPU did not answer within 10 s");
+        const int64_t back = realtime_ns();
+        if (back - sent < best_round_trip) {  // the fastest round trip bounds the offset best
+          best_round_trip = back - sent;
+          offset = int64_t(__atomic_load_n(&ping->gpu_time, __ATOMIC_RELAXED)) - (sent + back) / 2;
+        }
+      }
+    } catch (...) {
+      __atomic_store_n(&ping->host_seq, kClockStop, __ATOMIC_RELEASE);
+      if (stream != nullptr) cudaStreamSynchronize(stream), cudaStreamDestroy(stream);
+      cudaFreeHost(ping);
+      throw;
+    }
+    ROCENANTE_CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaStreamDestroy(stream);
+    cudaFreeHost(ping);
+    return offset;
+  }
+#endif
 
   FaultRecord fault() const override {
     FaultRecord r{};

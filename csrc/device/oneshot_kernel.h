@@ -25,6 +25,10 @@ class OneshotKernel {
   // image, the mailbox), its device address in `device_address`. The mapping lasts as long as the returned
   // handle (which may outlive this object); release it before the memory is freed, and after our kernels ended.
   virtual std::shared_ptr<void> map_host(void* host, size_t bytes, void*& device_address) = 0;
+#ifdef ROCENANTE_TIMELINE
+  // %globaltimer minus CLOCK_REALTIME, in nanoseconds, from the fastest of many GPU-host round trips.
+  virtual int64_t clock_offset_ns() = 0;
+#endif
 };
 
 std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world);

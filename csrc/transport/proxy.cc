@@ -20,6 +20,7 @@
 // mailbox are pinned and mapped (OneshotKernel::map_host), and the thread keeps using the host addresses.
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <time.h>
 
 #include <atomic>
 #include <chrono>
@@ -40,10 +41,19 @@ constexpr std::chrono::microseconds kSpin{2000};
 constexpr std::chrono::microseconds kNap{50};
 constexpr unsigned long kTimerSlackNs = 1000;
 
+// Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
+void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
+  if constexpr (kTimeline) {
+    timespec t{};
+    clock_gettime(CLOCK_REALTIME, &t);
+    timeline->ns[epoch % kTimelineSlots][event] = uint64_t(t.tv_sec) * 1000000000u + uint64_t(t.tv_nsec);
+  }
+}
+
 class Proxy final : public Transport {
  public:
-  Proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire, OneshotKernel* kernel)
-      : rank_(rank), layout_(layout), wire_(std::move(wire)), kernel_(kernel) {
+  Proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline)
+      : rank_(rank), layout_(layout), wire_(std::move(wire)), kernel_(kernel), timeline_(timeline) {
     void* page = mmap(nullptr, sizeof(Mailbox), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (page == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     mailbox_ = new (page) Mailbox{};  // ring and arrival words 0: no epoch (calls start at 1)
@@ -109,6 +119,7 @@ class Proxy final : public Transport {
             wire_->deliver(p, layout_.area_offset(buffer, p, rank_), size_t(ring >> 32));
           }
           wire_->signal();
+          note(timeline_, send, kProxyRing);
           sending = worked = true;
         }
         if (sending) {
@@ -116,6 +127,7 @@ class Proxy final : public Transport {
           const bool done = wire_->delivered(failed);
           if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
           if (done || failed != 0) {
+            note(timeline_, send, kProxyDelivered);
             sending = false;
             send = next_epoch(send);
             worked = true;
@@ -126,6 +138,7 @@ class Proxy final : public Transport {
           uint64_t failed = 0;
           if (wire_->arrived(p, failed)) {
             __atomic_store_n(&mailbox_->arrived[buffer_of(receive[p])][p], receive[p], __ATOMIC_RELEASE);
+            note(timeline_, receive[p], kProxyArrival);
             wire_->consume(p);
             receive[p] = next_epoch(receive[p]);
             worked = true;
@@ -177,6 +190,7 @@ class Proxy final : public Transport {
   RegionLayout layout_;
   std::unique_ptr<Wire> wire_;
   OneshotKernel* kernel_;
+  Timeline* timeline_;  // timeline builds only
   Mailbox* mailbox_ = nullptr;         // host address, the thread's
   Mailbox* mapped_mailbox_ = nullptr;  // the reducer's
   uint32_t* region_ = nullptr;         // the reducer's addresses of the wire's region and image
@@ -190,8 +204,8 @@ class Proxy final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
-                                      OneshotKernel* kernel) {
-  return std::make_unique<Proxy>(rank, layout, std::move(wire), kernel);
+                                      OneshotKernel* kernel, Timeline* timeline) {
+  return std::make_unique<Proxy>(rank, layout, std::move(wire), kernel, timeline);
 }
 
 std::string transport_status(uint32_t status) {

@@ -85,8 +85,9 @@ std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, co
 std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout);
 // Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
 // loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
+// `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null.
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
-                                      OneshotKernel* kernel);
+                                      OneshotKernel* kernel, Timeline* timeline);
 // Whether make_ibverbs_wire was built (rdma-core's headers were found at build time).
 extern const bool kWithIbverbs;
 

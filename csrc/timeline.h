@@ -1,0 +1,34 @@
+// The timeline of a build configured with -DROCENANTE_TIMELINE=ON (off by default: the hooks compile to nothing):
+// per call, when its steps happened, on the GPU's %globaltimer (kernel events) and on the host's CLOCK_REALTIME
+// (proxy events), both in nanoseconds. benchmarks/net_breakdown.py reads it (Communicator.timeline()) to split a
+// call's time into staging, doorbell, wire and arrival; OneshotKernel::clock_offset_ns() relates the two clocks.
+// A slot is overwritten kTimelineSlots calls later; events of a call that did not happen stay 0.
+#pragma once
+
+#include <cstdint>
+
+namespace rocenante {
+
+#ifdef ROCENANTE_TIMELINE
+constexpr bool kTimeline = true;
+#else
+constexpr bool kTimeline = false;
+#endif
+
+enum TimelineEvent : int {
+  kKernelStart,     // CTA 0 passed griddepcontrol.wait: the call's data may move
+  kKernelRing,      // network peers: the last CTA stored the doorbell (every store into the image visible)
+  kKernelArrived,   // thread 0 of CTA 0 has every peer's first chunk (network peers: after their arrival word)
+  kKernelEnd,       // thread 0 of CTA 0 wrote its last output chunk
+  kProxyRing,       // the proxy took the doorbell and posted the call's deliveries
+  kProxyDelivered,  // ... and the wire reported them landed
+  kProxyArrival,    // the proxy stored the arrival word of a peer's delivery of this call (the last peer's)
+  kTimelineEvents
+};
+constexpr int kTimelineSlots = 4096;  // calls kept; call (epoch) e is in slot e % kTimelineSlots
+
+struct Timeline {
+  uint64_t ns[kTimelineSlots][kTimelineEvents];
+};
+
+}  // namespace rocenante
