@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
-#   benchmarks/gpu_machine.sh OUTDIR [tests|bench|fusion|all] [extra benchmark arguments...]
+#   benchmarks/gpu_machine.sh OUTDIR [tests|bench|fusion|breakdown|all] [extra benchmark arguments...]
 # Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times, soak
 # and leak figures), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log, OUTDIR/fusion.json and
-# OUTDIR/fusion.log (benchmarks/fusion_bench.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces
+# OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown (not part of all): a second, timeline build
+# (csrc/timeline.h) in /tmp/rocenante-timeline and OUTDIR/breakdown.{json,log} (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces
 # (e.g. '-k (gpu_soak)or(gpu_hostile)' for tests/test_gpu_{soak,hostile}.py alone).
 # The log shows what passed tests printed (-rP): the soak's count and time, the leak probes' values.
 set -uo pipefail
@@ -33,6 +34,14 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == fusion || $what == all ]]; then
   (cd /tmp && python3 "$OLDPWD/benchmarks/fusion_bench.py" --out "$out/fusion.json") 2>&1 | tee "$out/fusion.log" | tail -20
+  status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ $what == breakdown ]]; then
+  python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/rocenante-timeline . \
+    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir=/tmp/build-timeline \
+    > "$out/build-timeline.log" 2>&1 || { tail -40 "$out/build-timeline.log"; exit 1; }
+  (cd /tmp && PYTHONPATH=/tmp/rocenante-timeline python3 "$OLDPWD/benchmarks/net_breakdown.py" --out "$out/breakdown.json") \
+    2>&1 | tee "$out/breakdown.log" | tail -20
   status=$(( status || PIPESTATUS[0] ))
 fi
 exit $status
