@@ -1,11 +1,573 @@
-// Placeholder until the TCP software wire lands (issue 13): ROCENANTE_NET=tcp is refused clearly.
+// The TCP software wire (ROCENANTE_NET=tcp): a test vehicle that carries every peer's deliveries over TCP on
+// loopback, as if each peer were on another host, so that the network path (proxy, mailbox, wire) runs on any
+// machine. Never chosen silently.
+//
+// Memory: one anonymous mmap, page-aligned, holding the receive region (RegionLayout::region_bytes(), filled
+// with initial_word()) followed by the image (the same size); peer_region(p) == image for every p, as in
+// ibverbs.cc, whose comment says why one image serves every peer.
+//
+// Connections: one TCP connection per ordered pair of ranks. Rank s's outgoing connection to r carries, in
+// order, s's messages for r (a Header, then its payload); r's receiver thread for s reads them one at a time
+// and answers each signal with an ack on the same connection:
+//   write   bytes [offset, offset + bytes) of s's image, placed at the same offset of r's region;
+//   signal  seq = s's count of signals to r before this one; r checks it;
+//   abort   an 8-byte abort word, placed at abort[s] of r's region with one atomic 64-bit store.
+// Invariants, for one sender s and one receiver r:
+//   1. An ack means: this signal and every write s queued for r before it were placed. TCP delivers a
+//      connection's bytes once each and in order, and r's one thread for s places each write whole before it
+//      reads the next message; it sends the ack only after that. delivered() returns true only once every
+//      signal was acked, and the next round's deliver() comes only after it (transport.h), so nothing of a
+//      round lands after the sender's delivered() returned true, and TCP hands the application no duplicate:
+//      the stale-write argument ibverbs.cc makes for RDMA holds here, more simply.
+//   2. arrived(s) counts a signal only after its ack was written, so everything before it was placed. Writes
+//      are placed in random order, segment by segment (1 word to a page, shuffled), 32-bit word by word: a
+//      reducer reads s's words only once the arrival word says the delivery arrived whole (layout.h, Mailbox),
+//      so a format relying on placement order or on more than 32-bit atomicity fails its tests here.
+//   3. Every header is hostile input: a write must lie inside the region past the abort words, 4-byte aligned;
+//      an abort must name s's own abort word; a signal must carry the next seq. Anything else ends s's
+//      connection as kBadSignal; nothing is ever placed out of bounds. A write is placed only once read whole,
+//      so a connection that breaks in the middle of one places nothing of it.
+//   4. Abort words travel without a signal (their readers only ask "nonzero?"), ahead of queued messages not
+//      yet started.
+//   5. A connection joins only with the hello {magic, its sender's rank, the receiver's nonce}: the nonce is
+//      64 random bits published only through this communicator's store, so a stray process or a connection
+//      meant for an earlier communicator is refused.
+// Threads: the proxy serialises every call below (post_abort included); only the receiver threads run beside
+// it, and they touch only the region (atomic stores), the arrival counts (release) and the closed states.
+// Sends never block the proxy: a stopped peer fills its socket and stops acking, and the reducer's timeout
+// names it; a dead one resets its connections, which comes back as kConnectionClosed naming it.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <thread>
+
 #include "../errors.h"
 #include "transport.h"
 
 namespace rocenante {
+namespace {
 
-std::unique_ptr<Wire> make_tcp_wire(int, const RegionLayout&) {
-  ROCENANTE_THROW(InvalidArgument, "ROCENANTE_NET=tcp: the TCP software wire is not built yet");
+using Clock = std::chrono::steady_clock;
+
+// Every rank connects right after it read every handle from the store (communicator.py), so peers meet within
+// the store's skew; 30 s also covers a loaded CI machine.
+constexpr double kConnectWaitS = 30.0;
+// post_abort's longest wait for the socket to take an abort word: the peers of a faulted rank are usually
+// told at once; one that cannot be (stopped, its socket full) times out instead.
+constexpr double kAbortPushS = 0.1;
+// Placement segments are 1 word to a page (4 KiB) long: both word-level and page-level reorderings occur.
+constexpr size_t kMaxSegmentWords = 1024;
+// Messages gathered into one sendmsg() (two iovecs each: header and payload).
+constexpr int kBatch = 16;
+
+// Published through the store; fixed size, no implicit padding: it travels as raw bytes.
+struct TcpHandle {
+  uint32_t magic;
+  uint32_t world;
+  uint64_t region_bytes;
+  uint64_t nonce;  // random; a peer's hello must carry it back
+  uint32_t port;   // of the listening socket on 127.0.0.1
+  uint32_t rank;   // the publisher's
+};
+static_assert(sizeof(TcpHandle) == 32, "TcpHandle travels as raw bytes: no implicit padding");
+constexpr uint32_t kHandleMagic = 0x52544331;  // "RTC1"
+
+// The first bytes on every connection, from the connecting rank.
+struct Hello {
+  uint32_t magic;
+  uint32_t rank;   // the sender's
+  uint64_t nonce;  // the receiver's, from its handle
+};
+static_assert(sizeof(Hello) == 16, "Hello travels as raw bytes: no implicit padding");
+constexpr uint32_t kHelloMagic = 0x52544348;  // "RTCH"
+
+enum Kind : uint32_t { kWrite = 1, kSignal = 2, kAbort = 3 };
+struct Header {
+  uint32_t kind;
+  uint32_t seq;  // signals: the sender's count of earlier signals to this receiver; otherwise 0
+  uint64_t offset;
+  uint64_t bytes;  // of payload following the header
+};
+static_assert(sizeof(Header) == 24, "Header travels as raw bytes: no implicit padding");
+using Ack = uint32_t;  // the seq of the signal it acknowledges
+
+// A message waiting in a send queue. Payload: image[offset, offset + bytes) for a write, `word` for an abort.
+struct Outgoing {
+  Header header;
+  uint64_t word;
+  size_t sent;  // bytes of header + payload already taken by the socket
+};
+
+// False at `deadline` (or on a poll error other than EINTR); true once `fd` is ready for `events`.
+bool wait_fd(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left < 0) return false;
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, int(std::min<long long>(left + 1, 1000)));
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) return false;
+  }
+}
+
+// Blocking: false once the connection ended (EOF, reset, shutdown) before `bytes` arrived.
+bool read_all(int fd, void* dst, size_t bytes) {
+  char* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    const ssize_t n = recv(fd, p, bytes, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= size_t(n);
+  }
+  return true;
+}
+
+bool write_all(int fd, const void* src, size_t bytes) {
+  const char* p = static_cast<const char*>(src);
+  while (bytes > 0) {
+    const ssize_t n = send(fd, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= size_t(n);
+  }
+  return true;
+}
+
+// Reads `bytes` from a socket before `deadline`; false if it closed or the time ran out.
+bool read_until(int fd, void* dst, size_t bytes, Clock::time_point deadline) {
+  char* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    if (!wait_fd(fd, POLLIN, deadline)) return false;
+    const ssize_t n = recv(fd, p, bytes, MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= size_t(n);
+  }
+  return true;
+}
+
+void set_nodelay(int fd) {
+  const int one = 1;  // small messages (signals, acks, call words) leave at once
+  ROCENANTE_CHECK_SYS(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)));
+}
+
+sockaddr_in loopback(uint16_t port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return a;
+}
+
+struct Peer {
+  int out = -1;  // our connection to the peer: our messages, its acks
+  int in = -1;   // its connection to us: its messages, our acks
+  // Sender side (the proxy's calls only).
+  std::deque<Outgoing> queue;
+  bool pending = false;      // delivered to since the last signal()
+  uint32_t signals = 0;      // signals queued
+  uint32_t acked = 0;        // acks received
+  uint32_t out_status = 0;   // 0, or why `out` is unusable (kConnectionClosed, kBadSignal): sticky
+  char acks[sizeof(Ack) * 16];
+  size_t ack_bytes = 0;      // of a partly received ack at the start of `acks`
+  // Receiver side: written by the receiver thread, read by the proxy.
+  std::thread receiver;
+  std::atomic<uint32_t> arrivals{0};   // signals placed and acked (release: after their writes)
+  std::atomic<uint32_t> in_status{0};  // 0, or why `in` ended, stored after everything before it was placed
+  uint32_t consumed = 0;               // the proxy's: arrivals consume() took
+};
+
+class TcpWire final : public Wire {
+ public:
+  TcpWire(int rank, const RegionLayout& layout)
+      : rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), peers_(layout.world) {
+    const size_t page = 4096;
+    block_bytes_ = (2 * bytes_ + page - 1) / page * page;
+    void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
+    block_ = static_cast<char*>(block);
+    try {
+      // Empty before any peer can write into it (layout.h); the image starts as zeros, which nothing reads
+      // before this rank wrote them.
+      for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
+      std::random_device rd;
+      nonce_ = (uint64_t(rd()) << 32) | rd();
+      listen_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      ROCENANTE_CHECK_SYS(listen_);
+      const sockaddr_in a = loopback(0);  // port 0: the kernel picks a free one
+      ROCENANTE_CHECK_SYS(bind(listen_, reinterpret_cast<const sockaddr*>(&a), sizeof(a)));
+      ROCENANTE_CHECK_SYS(listen(listen_, kMaxRanks));
+      sockaddr_in bound{};
+      socklen_t len = sizeof(bound);
+      ROCENANTE_CHECK_SYS(getsockname(listen_, reinterpret_cast<sockaddr*>(&bound), &len));
+      port_ = ntohs(bound.sin_port);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~TcpWire() override { release(); }
+
+  std::string local_handle() const override {
+    const TcpHandle h{kHandleMagic, uint32_t(world_), bytes_, nonce_, port_, uint32_t(rank_)};
+    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  }
+
+  void connect(const std::vector<std::string>& handles) override {
+    if (int(handles.size()) != world_)
+      ROCENANTE_THROW(InvalidArgument, "rank " + std::to_string(rank_) + ": expected " + std::to_string(world_) +
+                                           " TCP wire handles, got " + std::to_string(handles.size()));
+    std::vector<TcpHandle> theirs(world_);
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_) theirs[p] = parse(p, handles[p]);
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(kConnectWaitS));
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_) dial(p, theirs[p], deadline);
+    accept_all(deadline);
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_) peers_[p].receiver = std::thread(&TcpWire::receive, this, p);
+  }
+
+  void all_connected() override {
+    if (listen_ >= 0) close(listen_);
+    listen_ = -1;
+  }
+
+  uint32_t* local_region() const override { return reinterpret_cast<uint32_t*>(block_); }
+  uint32_t* peer_region(int) const override { return reinterpret_cast<uint32_t*>(block_ + bytes_); }
+
+  void deliver(int peer, size_t offset, size_t bytes) override {
+    Peer& q = peers_[peer];
+    q.pending = true;
+    if (bytes == 0 || q.out_status != 0) return;
+    q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, 0, 0});
+    push(q);
+  }
+
+  void signal() override {
+    for (Peer& q : peers_) {
+      if (!q.pending) continue;
+      q.pending = false;
+      if (q.out_status != 0) continue;
+      q.queue.push_back(Outgoing{Header{kSignal, q.signals++, 0, 0}, 0, 0});
+      push(q);
+    }
+  }
+
+  bool delivered(uint64_t& fault) override {
+    bool done = true;
+    for (int p = 0; p < world_; ++p) {
+      Peer& q = peers_[p];
+      if (q.out < 0) continue;
+      push(q);
+      read_acks(q);
+      if (q.out_status != 0) {
+        if (fault == 0) fault = encode_fault(Fault::kTransport, uint32_t(p), q.out_status);
+        done = false;
+      } else if (!q.queue.empty() || q.acked != q.signals) {
+        done = false;
+      }
+    }
+    return done;
+  }
+
+  bool arrived(int peer, uint64_t& fault) override {
+    Peer& q = peers_[peer];
+    // The state first: it is stored after every arrival before it, so none of those is missed below.
+    const uint32_t status = q.in_status.load(std::memory_order_acquire);
+    if (q.arrivals.load(std::memory_order_acquire) != q.consumed) return true;
+    if (status != 0) fault = encode_fault(Fault::kTransport, uint32_t(peer), status);
+    return false;
+  }
+
+  void consume(int peer) override { ++peers_[peer].consumed; }
+
+  void post_abort(int peer, uint64_t word) noexcept override {
+    if (peer == rank_) {
+      __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
+      return;
+    }
+    Peer& q = peers_[peer];
+    if (q.out < 0 || q.out_status != 0) return;  // never connected, or gone: it times out instead
+    try {
+      // Ahead of every message the socket has not started taking (a message is never interleaved).
+      auto at = q.queue.begin();
+      if (at != q.queue.end() && at->sent > 0) ++at;
+      q.queue.insert(at, Outgoing{Header{kAbort, 0, uint64_t(rank_) * sizeof(uint64_t), sizeof(uint64_t)}, word, 0});
+    } catch (...) {
+      return;
+    }
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(kAbortPushS));
+    const auto aborts_queued = [&q] {
+      return std::any_of(q.queue.begin(), q.queue.end(), [](const Outgoing& m) { return m.header.kind == kAbort; });
+    };
+    for (;;) {
+      push(q);
+      if (q.out_status != 0 || !aborts_queued() || !wait_fd(q.out, POLLOUT, deadline)) return;
+    }
+  }
+
+ private:
+  std::string who(int p) const { return "rank " + std::to_string(rank_) + ": rank " + std::to_string(p); }
+
+  TcpHandle parse(int p, const std::string& h) const {
+    TcpHandle t{};
+    if (h.size() != sizeof(TcpHandle))
+      ROCENANTE_THROW(Error, who(p) + " published a TCP wire handle of " + std::to_string(h.size()) +
+                                 " bytes, expected " + std::to_string(sizeof(TcpHandle)) +
+                                 " (is every rank on the TCP wire? ROCENANTE_NET must agree)");
+    std::memcpy(&t, h.data(), sizeof(t));
+    if (t.magic != kHandleMagic)
+      ROCENANTE_THROW(Error, who(p) + " published a handle that is not a TCP wire's (is every rank on the TCP "
+                                      "wire? ROCENANTE_NET must agree)");
+    if (t.world != uint32_t(world_) || t.region_bytes != bytes_ || t.rank != uint32_t(p))
+      ROCENANTE_THROW(Error, who(p) + " published a TCP wire handle for rank " + std::to_string(t.rank) +
+                                 " of world " + std::to_string(t.world) + " with a region of " +
+                                 std::to_string(t.region_bytes) + " bytes; this rank expects rank " +
+                                 std::to_string(p) + " of world " + std::to_string(world_) + " with " +
+                                 std::to_string(bytes_) + " bytes (configurations differ)");
+    if (t.port == 0 || t.port > 65535)
+      ROCENANTE_THROW(Error, who(p) + " published a TCP wire handle with port " + std::to_string(t.port) +
+                                 ", not a listening port");
+    return t;
+  }
+
+  // Opens our connection to p and says hello.
+  void dial(int p, const TcpHandle& h, Clock::time_point deadline) {
+    const std::string where = who(p) + " at 127.0.0.1:" + std::to_string(h.port);
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    ROCENANTE_CHECK_SYS(fd);
+    peers_[p].out = fd;  // from here on release() closes it
+    set_nodelay(fd);
+    const sockaddr_in a = loopback(uint16_t(h.port));
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0) {
+      if (errno != EINPROGRESS)
+        ROCENANTE_THROW(Error, "cannot connect to " + where + ": " + std::strerror(errno));
+      if (!wait_fd(fd, POLLOUT, deadline))
+        ROCENANTE_THROW(Error, "cannot connect to " + where + " within " + std::to_string(int(kConnectWaitS)) + " s");
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ROCENANTE_CHECK_SYS(getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len));
+      if (err != 0) ROCENANTE_THROW(Error, "cannot connect to " + where + ": " + std::strerror(err));
+    }
+    const Hello hello{kHelloMagic, uint32_t(rank_), h.nonce};
+    // A fresh connection's send buffer takes these 16 bytes at once.
+    if (send(fd, &hello, sizeof(hello), MSG_DONTWAIT | MSG_NOSIGNAL) != ssize_t(sizeof(hello)))
+      ROCENANTE_THROW(Error, "cannot greet " + where + ": " + std::strerror(errno));
+  }
+
+  // Accepts one connection from every peer, each with a valid hello, before `deadline`.
+  void accept_all(Clock::time_point deadline) {
+    for (int missing = world_ - 1; missing > 0;) {
+      if (!wait_fd(listen_, POLLIN, deadline)) ROCENANTE_THROW(Error, not_connected());
+      const int fd = accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;
+        throw_system_error("accept4", __FILE__, __LINE__);
+      }
+      Hello hello{};
+      if (!read_until(fd, &hello, sizeof(hello), deadline)) {
+        close(fd);
+        ROCENANTE_THROW(Error, not_connected() + " (a connection came but said no hello)");
+      }
+      const int from = int(hello.rank);
+      std::string bad;
+      if (hello.magic != kHelloMagic) bad = "is not from rocenante's TCP wire";
+      else if (hello.rank >= uint32_t(world_) || from == rank_) bad = "claims rank " + std::to_string(hello.rank);
+      else if (peers_[from].in >= 0) bad = "claims rank " + std::to_string(from) + ", which is connected already";
+      else if (hello.nonce != nonce_) bad = "from rank " + std::to_string(from) + " carries another nonce (a peer "
+                                            "of another communicator?)";
+      if (!bad.empty()) {
+        close(fd);
+        ROCENANTE_THROW(Error, "rank " + std::to_string(rank_) + ": a connection to its TCP wire " + bad + ": refused");
+      }
+      peers_[from].in = fd;  // blocking (accept4 does not inherit O_NONBLOCK): the receiver thread's
+      set_nodelay(fd);       // acks leave at once
+      --missing;
+    }
+  }
+
+  std::string not_connected() const {
+    std::string ranks;
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && peers_[p].in < 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(p);
+    return "rank " + std::to_string(rank_) + ": rank(s) " + ranks + " did not connect to its TCP wire within " +
+           std::to_string(int(kConnectWaitS)) + " s";
+  }
+
+  // Hands the socket as much of p's queue as it takes without blocking.
+  void push(Peer& q) {
+    while (q.out_status == 0 && !q.queue.empty()) {
+      iovec iov[2 * kBatch];
+      int n = 0;
+      for (auto it = q.queue.begin(); it != q.queue.end() && n < 2 * kBatch; ++it) {
+        const size_t sent = it->sent;
+        if (sent < sizeof(Header))
+          iov[n++] = {reinterpret_cast<char*>(&it->header) + sent, sizeof(Header) - sent};
+        const size_t from = sent > sizeof(Header) ? sent - sizeof(Header) : 0;
+        if (it->header.bytes > from) iov[n++] = {payload(*it) + from, it->header.bytes - from};
+      }
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = size_t(n);
+      const ssize_t sent = sendmsg(q.out, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (sent < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) broken(q, kConnectionClosed);
+        return;
+      }
+      for (size_t left = size_t(sent); left > 0;) {
+        Outgoing& m = q.queue.front();
+        const size_t rest = sizeof(Header) + m.header.bytes - m.sent;
+        if (left < rest) {
+          m.sent += left;
+          break;
+        }
+        left -= rest;
+        q.queue.pop_front();
+      }
+    }
+  }
+
+  char* payload(Outgoing& m) const {
+    return m.header.kind == kAbort ? reinterpret_cast<char*>(&m.word) : block_ + bytes_ + m.header.offset;
+  }
+
+  // Takes the acks that have come, without blocking; each must acknowledge the next signal sent.
+  void read_acks(Peer& q) {
+    while (q.out_status == 0) {
+      const ssize_t n = recv(q.out, q.acks + q.ack_bytes, sizeof(q.acks) - q.ack_bytes, MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (n <= 0) return broken(q, kConnectionClosed);
+      q.ack_bytes += size_t(n);
+      size_t at = 0;
+      for (; q.ack_bytes - at >= sizeof(Ack); at += sizeof(Ack)) {
+        Ack ack;
+        std::memcpy(&ack, q.acks + at, sizeof(ack));
+        if (ack != q.acked || q.acked == q.signals) return broken(q, kBadSignal);
+        ++q.acked;
+      }
+      q.ack_bytes -= at;
+      std::memmove(q.acks, q.acks + at, q.ack_bytes);
+    }
+  }
+
+  static void broken(Peer& q, uint32_t status) {
+    q.out_status = status;
+    q.queue.clear();
+  }
+
+  // The receiver thread for peer p: places p's messages in order until its connection ends (invariants 1-3).
+  void receive(int p) {
+    Peer& q = peers_[p];
+    uint32_t status = kConnectionClosed;
+    try {
+      std::vector<uint32_t> words;
+      std::vector<std::pair<size_t, size_t>> segments;  // (first word, word count)
+      std::mt19937_64 rng(std::random_device{}());
+      uint32_t expected = 0;  // seq of the next signal
+      for (Header h; read_all(q.in, &h, sizeof(h));) {
+        if (!valid(p, h, expected)) {
+          status = kBadSignal;
+          shutdown(q.in, SHUT_RDWR);  // the sender learns at once that this connection is over
+          break;
+        }
+        if (h.kind == kWrite) {
+          words.resize(h.bytes / sizeof(uint32_t));
+          if (!read_all(q.in, words.data(), h.bytes)) break;
+          segments.clear();
+          for (size_t at = 0; at < words.size();) {
+            const size_t len = std::min(words.size() - at, size_t(1 + rng() % kMaxSegmentWords));
+            segments.emplace_back(at, len);
+            at += len;
+          }
+          std::shuffle(segments.begin(), segments.end(), rng);
+          uint32_t* dst = local_region() + h.offset / sizeof(uint32_t);
+          for (const auto& [first, count] : segments)
+            for (size_t i = first; i < first + count; ++i) __atomic_store_n(dst + i, words[i], __ATOMIC_RELAXED);
+        } else if (h.kind == kSignal) {
+          ++expected;
+          const Ack ack = h.seq;
+          const bool acked = write_all(q.in, &ack, sizeof(ack));
+          q.arrivals.store(expected, std::memory_order_release);  // after the writes' stores, and the ack
+          if (!acked) break;
+        } else {
+          uint64_t word;
+          if (!read_all(q.in, &word, sizeof(word))) break;
+          __atomic_store_n(abort_word(local_region(), p), word, __ATOMIC_RELEASE);
+        }
+      }
+    } catch (const std::bad_alloc&) {  // a write's buffer: the connection cannot go on
+      shutdown(q.in, SHUT_RDWR);
+    }
+    q.in_status.store(status, std::memory_order_release);
+  }
+
+  bool valid(int p, const Header& h, uint32_t expected) const {
+    switch (h.kind) {
+      case kWrite:
+        return h.seq == 0 && h.bytes > 0 && h.offset % sizeof(uint32_t) == 0 && h.bytes % sizeof(uint32_t) == 0 &&
+               h.offset >= kCallWordsOffset && h.offset <= bytes_ && h.bytes <= bytes_ - h.offset;
+      case kSignal: return h.seq == expected && h.offset == 0 && h.bytes == 0;
+      case kAbort: return h.seq == 0 && h.offset == uint64_t(p) * sizeof(uint64_t) && h.bytes == sizeof(uint64_t);
+      default: return false;
+    }
+  }
+
+  // Ends every connection (which unblocks the receiver threads), joins the threads, frees everything.
+  void release() noexcept {
+    for (Peer& q : peers_) {
+      if (q.in >= 0) shutdown(q.in, SHUT_RDWR);
+      if (q.out >= 0) shutdown(q.out, SHUT_RDWR);
+    }
+    for (Peer& q : peers_) {
+      if (q.receiver.joinable()) q.receiver.join();
+      if (q.in >= 0) close(q.in);
+      if (q.out >= 0) close(q.out);
+      q.in = q.out = -1;
+    }
+    if (listen_ >= 0) close(listen_);
+    listen_ = -1;
+    if (block_ != nullptr) munmap(block_, block_bytes_);
+    block_ = nullptr;
+  }
+
+  int rank_;
+  int world_;
+  size_t bytes_;
+  size_t block_bytes_ = 0;
+  char* block_ = nullptr;
+  int listen_ = -1;
+  uint32_t port_ = 0;
+  uint64_t nonce_ = 0;
+  std::vector<Peer> peers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout) {
+  return std::make_unique<TcpWire>(rank, layout);
 }
 
 }  // namespace rocenante
