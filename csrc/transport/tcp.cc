@@ -240,11 +240,16 @@ class TcpWire final : public Wire {
       if (p != rank_) theirs[p] = parse(p, handles[p]);
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(kConnectWaitS));
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_) dial(p, theirs[p], deadline);
-    accept_all(deadline);
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_) peers_[p].receiver = std::thread(&TcpWire::receive, this, p);
+    try {
+      for (int p = 0; p < world_; ++p)
+        if (p != rank_) dial(p, theirs[p], deadline);
+      accept_all(deadline);
+      for (int p = 0; p < world_; ++p)
+        if (p != rank_) peers_[p].receiver = std::thread(&TcpWire::receive, this, p);
+    } catch (...) {
+      disconnect();  // nothing half connected stays behind (the caller may try again)
+      throw;
+    }
   }
 
   void all_connected() override {
@@ -357,7 +362,7 @@ class TcpWire final : public Wire {
     const std::string where = who(p) + " at 127.0.0.1:" + std::to_string(h.port);
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     ROCENANTE_CHECK_SYS(fd);
-    peers_[p].out = fd;  // from here on release() closes it
+    peers_[p].out = fd;  // from here on disconnect() closes it
     set_nodelay(fd);
     const sockaddr_in a = loopback(uint16_t(h.port));
     if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0) {
@@ -535,8 +540,8 @@ class TcpWire final : public Wire {
     }
   }
 
-  // Ends every connection (which unblocks the receiver threads), joins the threads, frees everything.
-  void release() noexcept {
+  // Ends every connection (which unblocks the receiver threads), joins the threads, closes the sockets.
+  void disconnect() noexcept {
     for (Peer& q : peers_) {
       if (q.in >= 0) shutdown(q.in, SHUT_RDWR);
       if (q.out >= 0) shutdown(q.out, SHUT_RDWR);
@@ -547,6 +552,10 @@ class TcpWire final : public Wire {
       if (q.out >= 0) close(q.out);
       q.in = q.out = -1;
     }
+  }
+
+  void release() noexcept {
+    disconnect();
     if (listen_ >= 0) close(listen_);
     listen_ = -1;
     if (block_ != nullptr) munmap(block_, block_bytes_);
