@@ -185,6 +185,7 @@ struct Peer {
   uint32_t signals = 0;      // signals queued
   uint32_t acked = 0;        // acks received
   uint32_t out_status = 0;   // 0, or why `out` is unusable (kConnectionClosed, kBadSignal): sticky
+  bool lost = false;         // something posted to the peer never landed, not yet reported by delivered()
   char acks[sizeof(Ack) * 16];
   size_t ack_bytes = 0;      // of a partly received ack at the start of `acks`
   // Receiver side: written by the receiver thread, read by the proxy.
@@ -263,6 +264,7 @@ class TcpWire final : public Wire {
   void deliver(int peer, size_t offset, size_t bytes) override {
     Peer& q = peers_[peer];
     q.pending = true;
+    if (q.out_status != 0) q.lost = true;
     if (bytes == 0 || q.out_status != 0) return;
     q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, 0, 0});
     push(q);
@@ -278,21 +280,27 @@ class TcpWire final : public Wire {
     }
   }
 
+  // A broken connection is reported once for what was posted to it and lost (a peer that closes after its
+  // last call is no failure by itself: proxy.cc), a connection closing before a malformed ack first; true
+  // once every live peer acked everything, or with the failure.
   bool delivered(uint64_t& fault) override {
     bool done = true;
+    int failed = -1;
     for (int p = 0; p < world_; ++p) {
       Peer& q = peers_[p];
       if (q.out < 0) continue;
       push(q);
       read_acks(q);
-      if (q.out_status != 0) {
-        if (fault == 0) fault = encode_fault(Fault::kTransport, uint32_t(p), q.out_status);
-        done = false;
-      } else if (!q.queue.empty() || q.acked != q.signals) {
-        done = false;
+      if (q.out_status == 0) {
+        done = done && q.queue.empty() && q.acked == q.signals;
+      } else if (q.lost && (failed < 0 || peers_[failed].out_status == kConnectionClosed)) {
+        failed = p;
       }
     }
-    return done;
+    if (failed < 0) return done;
+    peers_[failed].lost = false;
+    fault = encode_fault(Fault::kTransport, uint32_t(failed), peers_[failed].out_status);
+    return true;
   }
 
   bool arrived(int peer, uint64_t& fault) override {
@@ -480,6 +488,7 @@ class TcpWire final : public Wire {
 
   static void broken(Peer& q, uint32_t status) {
     q.out_status = status;
+    q.lost = status != kConnectionClosed || !q.queue.empty() || q.acked != q.signals;
     q.queue.clear();
   }
 
