@@ -39,6 +39,10 @@ namespace {
 // the sleep ends close to kNap.
 constexpr std::chrono::microseconds kSpin{2000};
 constexpr std::chrono::microseconds kNap{50};
+// On close, the thread first finishes sending what the reducer rang: a rank whose reducer returned may not have
+// delivered its own data yet (its peers' data is all it waits for), and its peers still need it. Bounded, so
+// that closing beside a stopped peer does not hang: a live peer acknowledges within a round trip.
+constexpr std::chrono::milliseconds kDrain{1000};
 constexpr unsigned long kTimerSlackNs = 1000;
 
 // Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
@@ -104,7 +108,14 @@ class Proxy final : public Transport {
     bool closed[kMaxRanks] = {};
     for (uint32_t& e : receive) e = 1;
     auto last_work = std::chrono::steady_clock::now();
-    while (!stop_.load(std::memory_order_relaxed)) {
+    std::chrono::steady_clock::time_point drain_until{};
+    while (true) {
+      if (stop_.load(std::memory_order_relaxed)) {
+        const auto now = std::chrono::steady_clock::now();
+        if (drain_until == std::chrono::steady_clock::time_point{}) drain_until = now + kDrain;
+        const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
+        if ((!sending && uint32_t(ring) != send) || now > drain_until) return;
+      }
       bool worked = false;
       uint64_t fault = 0;
       {
