@@ -28,11 +28,20 @@ def _sizes(seed: int, dtype, count: int) -> list[int]:
 
 def _every_dtype_op_size(store, rank, world, seed):
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+    digests = every_dtype_op_size(comm, rank, world, seed)
+    comm.close()
+    return digests
+
+
+def every_dtype_op_size(comm, rank, world, seed, random_sizes=4) -> list[str]:
+    """Every dtype and op at sizes around and beyond a piece (comm's capacity must be CAPACITY) and
+    `random_sizes` random ones, outputs poisoned first, checked against the rank-order fp32 result and float64;
+    returns the results' digests (for comparing ranks). Shared with tests/test_cpu_net.py."""
     digests = []
     case = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
-            for numel in _sizes(seed + case, dtype, 4):
+            for numel in _sizes(seed + case, dtype, random_sizes):
                 case += 1
                 inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
                 x = inputs[rank].clone()
@@ -46,7 +55,6 @@ def _every_dtype_op_size(store, rank, world, seed):
                 if not in_place:
                     assert torch.equal(x, inputs[rank]), "the input was modified"
                 digests.append(digest(got))
-    comm.close()
     return digests
 
 
