@@ -15,8 +15,9 @@ bf16 sum. Per call, from rank r's kernel and proxy and its peer q's:
     finish     q's kernel: saw every peer's data -> wrote its last output chunk            GPU clock
     kernel     r's kernel: start -> end                                                    GPU clock
   direct path: arrival (start -> every peer's first chunk seen) and finish, GPU clock.
-The GPU and host clocks are related by the fastest of 200 GPU-host round trips through mapped memory
-(clock_offset_ns); the two cross-clock pieces are good to about half that round trip.
+The GPU and host clocks are related, right before each call, by the fastest of 200 GPU-host round trips through
+mapped memory (clock_offset_ns: one calibration for a whole run was off by tens of microseconds by its end,
+the clocks drift apart); the two cross-clock pieces are good to about half that round trip.
 Then the first call after the proxy went idle (it sleeps between polls after 2 ms without work), against calls
 issued back to back, host-timed (issue to synchronize() returning), rows arm "rocenante_net_tcp", mode
 "after_idle" / "warm".
@@ -70,7 +71,7 @@ def worker(store, rank, world, cfg):
     numel = cfg["bytes"] // 2
     x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    epochs = {}
+    epochs, offsets = {}, {}
     for arm, comm in comms.items():
         for _ in range(20):  # warm-up
             comm.all_reduce(x, out=y)
@@ -78,9 +79,13 @@ def worker(store, rank, world, cfg):
         first = None
         for i in range(cfg["calls"]):
             dist.barrier()
+            if arm == "rocenante_net_tcp":
+                offset = comm._c.clock_offset_ns()
             epoch = comm._c.all_reduce(x.data_ptr(), y.data_ptr(), numel, _C.DType.bfloat16, _C.ReduceOp.sum,
                                        comm.current_stream())
             first = epoch if first is None else first
+            if arm == "rocenante_net_tcp":
+                offsets[epoch] = offset
             comm.synchronize()
         epochs[arm] = (first, epoch)
     # The first call after the proxy went idle, against back-to-back calls (host-timed).
@@ -96,7 +101,7 @@ def worker(store, rank, world, cfg):
             comm.synchronize()
             timed[mode].append((time.perf_counter() - start) * 1e6)
     out = {"timelines": {arm: c._c.timeline() for arm, c in comms.items()},
-           "offset_ns": comms["rocenante_net_tcp"]._c.clock_offset_ns(), "epochs": epochs, "timed": timed}
+           "offset_ns": offsets, "epochs": epochs, "timed": timed}
     dist.barrier()
     for c in comms.values():
         c.close()
@@ -112,8 +117,8 @@ def breakdown(results, cfg):
     for r in (0, 1):
         q = 1 - r
         t_r, t_q = results[r]["timelines"][net], results[q]["timelines"][net]
-        off_r, off_q = results[r]["offset_ns"], results[q]["offset_ns"]
         for e in range(first, last + 1):
+            off_r, off_q = results[r]["offset_ns"][e], results[q]["offset_ns"][e]
             a, b = t_r[e % SLOTS], t_q[e % SLOTS]
             if not all((a[K_START], a[K_RING], a[K_END], a[P_RING], b[P_ARRIVAL], b[K_ARRIVED], b[K_END])):
                 continue
@@ -180,7 +185,8 @@ def main(argv=None) -> int:
             print(f"rank {r} failed:\n{err}", file=sys.stderr)
         return 1
     rows = breakdown(results, cfg)
-    method = {**METHOD, "clock_offset_ns": [results[r]["offset_ns"] for r in (0, 1)]}
+    offsets = [list(results[r]["offset_ns"].values()) for r in (0, 1)]
+    method = {**METHOD, "clock_offset_ns_first_last": [[o[0], o[-1]] for o in offsets]}
     result = {"schema": report.SCHEMA, "provenance": provenance.collect("cuda", method, load_before),
               "world_size": 2, "config": cfg, "rows": rows}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
