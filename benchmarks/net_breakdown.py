@@ -14,7 +14,10 @@ bf16 sum. Per call, from rank r's kernel and proxy and its peer q's:
     arrival    q's proxy stored the arrival word -> q's kernel saw it (and the data)        host -> GPU clock
     finish     q's kernel: saw every peer's data -> wrote its last output chunk            GPU clock
     kernel     r's kernel: start -> end                                                    GPU clock
-  direct path: arrival (start -> every peer's first chunk seen) and finish, GPU clock.
+  direct path: arrival (start -> every peer's first chunk seen) and finish, GPU clock; and, in CUDA graphs of
+    50 calls replayed back to back, per call: interval (one kernel's start to the next one's), kernel (start to
+    end of CTA 0's thread 0) and gap (end to the next start), which shows how much of a call's time in a graph
+    is spent outside the kernel's own work.
 The GPU and host clocks are related, right before each call, by the fastest of 200 GPU-host round trips through
 mapped memory (clock_offset_ns: one calibration for a whole run was off by tens of microseconds by its end,
 the clocks drift apart); the two cross-clock pieces are good to about half that round trip.
@@ -88,6 +91,28 @@ def worker(store, rank, world, cfg):
                 offsets[epoch] = offset
             comm.synchronize()
         epochs[arm] = (first, epoch)
+    # The direct path in CUDA graphs: consecutive calls' kernel events.
+    comm = comms["rocenante"]
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            comm.all_reduce(x, out=y)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(cfg["graph_calls"]):
+            comm.all_reduce(x, out=y)
+    torch.cuda.synchronize()
+    graph_epochs = []
+    for _ in range(cfg["replays"]):
+        dist.barrier()
+        before = comm._c.timeline()  # the epoch counter lives on the device: find this replay's calls by time
+        graph.replay()
+        torch.cuda.synchronize()
+        after = comm._c.timeline()
+        graph_epochs.append(sorted(i for i in range(SLOTS) if after[i][K_START] != before[i][K_START]))
+    del graph
     # The first call after the proxy went idle, against back-to-back calls (host-timed).
     comm = comms["rocenante_net_tcp"]
     timed = {"after_idle": [], "warm": []}
@@ -101,7 +126,7 @@ def worker(store, rank, world, cfg):
             comm.synchronize()
             timed[mode].append((time.perf_counter() - start) * 1e6)
     out = {"timelines": {arm: c._c.timeline() for arm, c in comms.items()},
-           "offset_ns": offsets, "epochs": epochs, "timed": timed}
+           "offset_ns": offsets, "epochs": epochs, "timed": timed, "graph_slots": graph_epochs}
     dist.barrier()
     for c in comms.values():
         c.close()
@@ -143,6 +168,18 @@ def breakdown(results, cfg):
             d_pieces["kernel"].append((a[K_END] - a[K_START]) / 1e3)
     for name, values in d_pieces.items():
         rows.append({"arm": direct, "mode": f"piece:{name}", "dtype": "bfloat16", "bytes": cfg["bytes"], **_stats(values)})
+    graph = {"interval": [], "kernel": [], "gap": []}
+    t = results[0]["timelines"][direct]
+    for slots in results[0]["graph_slots"]:
+        events = sorted((t[i][K_START], t[i][K_END]) for i in slots)
+        for (s0, e0), (s1, _) in zip(events, events[1:]):
+            graph["interval"].append((s1 - s0) / 1e3)
+            graph["kernel"].append((e0 - s0) / 1e3)
+            graph["gap"].append((s1 - e0) / 1e3)
+    for name, values in graph.items():
+        if values:
+            rows.append({"arm": direct, "mode": f"graph:{name}", "dtype": "bfloat16", "bytes": cfg["bytes"],
+                         **_stats(values)})
     for mode in ("after_idle", "warm"):
         values = [max(a, b) for a, b in zip(results[0]["timed"][mode], results[1]["timed"][mode])]
         rows.append({"arm": net, "mode": mode, "dtype": "bfloat16", "bytes": cfg["bytes"], **_stats(values)})
@@ -164,10 +201,13 @@ def main(argv=None) -> int:
     p.add_argument("--bytes", type=int, default=1024)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--idle-calls", type=int, default=50)
+    p.add_argument("--graph-calls", type=int, default=50)
+    p.add_argument("--replays", type=int, default=20)
     a = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         p.error("needs 2 GPUs")
-    cfg = {"bytes": a.bytes, "calls": a.calls, "idle_calls": a.idle_calls}
+    cfg = {"bytes": a.bytes, "calls": a.calls, "idle_calls": a.idle_calls, "graph_calls": a.graph_calls,
+           "replays": a.replays}
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     load_before = os.getloadavg()
     ctx = mp.get_context("spawn")
