@@ -18,9 +18,10 @@ bf16 sum. Per call, from rank r's kernel and proxy and its peer q's:
     50 calls replayed back to back, per call: interval (one kernel's start to the next one's), kernel (start to
     end of CTA 0's thread 0) and gap (end to the next start), which shows how much of a call's time in a graph
     is spent outside the kernel's own work.
-The GPU and host clocks are related, right before each call, by the fastest of 200 GPU-host round trips through
-mapped memory (clock_offset_ns: one calibration for a whole run was off by tens of microseconds by its end,
-the clocks drift apart); the two cross-clock pieces are good to about half that round trip.
+The GPU and host clocks are related by the fastest of 200 GPU-host round trips through mapped memory
+(clock_offset_ns), measured before and after each burst of calls (a single calibration for a whole run was off
+by tens of microseconds by its end: the clocks drift apart); the two cross-clock pieces are good to about half
+that round trip plus the drift within a burst.
 Then the first call after the proxy went idle (it sleeps between polls after 2 ms without work), against calls
 issued back to back, host-timed (issue to synchronize() returning), rows arm "rocenante_net_tcp", mode
 "after_idle" / "warm".
@@ -47,7 +48,8 @@ SLOTS = 4096
 METHOD = {
     "script": "benchmarks/net_breakdown.py",
     "build": "timeline build (-DROCENANTE_TIMELINE=ON): kernel events on %globaltimer, proxy events on CLOCK_REALTIME",
-    "calls": "one at a time: gloo barrier, all_reduce (eager), synchronize",
+    "calls": "network path: bursts of calls issued one at a time (all_reduce, eager, then synchronize), the clock "
+             "offset calibrated before and after each burst; direct path: gloo barrier, all_reduce, synchronize",
     "statistic": "median, p10, p90 over calls of each piece (rank 0's and rank 1's calls pooled)",
 }
 
@@ -80,17 +82,20 @@ def worker(store, rank, world, cfg):
             comm.all_reduce(x, out=y)
         comm.synchronize()
         first = None
-        for i in range(cfg["calls"]):
+        burst = cfg["burst"] if arm == "rocenante_net_tcp" else 1
+        for i in range(cfg["calls"] // burst):
             dist.barrier()
-            if arm == "rocenante_net_tcp":
-                offset = comm._c.clock_offset_ns()
-            epoch = comm._c.all_reduce(x.data_ptr(), y.data_ptr(), numel, _C.DType.bfloat16, _C.ReduceOp.sum,
-                                       comm.current_stream())
-            first = epoch if first is None else first
-            if arm == "rocenante_net_tcp":
-                offsets[epoch] = offset
-            comm.synchronize()
-        epochs[arm] = (first, epoch)
+            before = comm._c.clock_offset_ns() if burst > 1 else 0
+            called = []
+            for _ in range(burst):  # back to back: the proxy keeps polling (it naps after 2 ms without work)
+                called.append(comm._c.all_reduce(x.data_ptr(), y.data_ptr(), numel, _C.DType.bfloat16,
+                                                 _C.ReduceOp.sum, comm.current_stream()))
+                comm.synchronize()
+            after = comm._c.clock_offset_ns() if burst > 1 else 0
+            if burst > 1:
+                offsets.update({e: (before + after) // 2 for e in called})
+            first = called[0] if first is None else first
+        epochs[arm] = (first, called[-1])
     # The direct path in CUDA graphs: consecutive calls' kernel events.
     comm = comms["rocenante"]
     side = torch.cuda.Stream(dev)
@@ -201,12 +206,13 @@ def main(argv=None) -> int:
     p.add_argument("--bytes", type=int, default=1024)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--idle-calls", type=int, default=50)
+    p.add_argument("--burst", type=int, default=100, help="network path: calls between clock calibrations")
     p.add_argument("--graph-calls", type=int, default=50)
     p.add_argument("--replays", type=int, default=20)
     a = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         p.error("needs 2 GPUs")
-    cfg = {"bytes": a.bytes, "calls": a.calls, "idle_calls": a.idle_calls, "graph_calls": a.graph_calls,
+    cfg = {"bytes": a.bytes, "calls": a.calls, "idle_calls": a.idle_calls, "burst": a.burst, "graph_calls": a.graph_calls,
            "replays": a.replays}
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     load_before = os.getloadavg()

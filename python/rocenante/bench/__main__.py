@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--size-factor", type=int, default=2, help="ratio between successive sizes (default 2)")
     p.add_argument("--dtypes", default=None, help="comma-separated; default bfloat16,float16,float32 on GPU, float32 on CPU")
     p.add_argument("--modes", default=None, help="graph,eager on GPU (default); eager on CPU")
-    p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all); on GPU "
+    p.add_argument("--arms", default="", help="comma-separated subset of arms (default: all but "
+                   + ",".join(arms.ON_REQUEST) + "); on GPU "
                    + ",".join(arms.NAMES["cuda"]) + "; on CPU " + ",".join(arms.NAMES["cpu"]))
     p.add_argument("--rounds", type=int, default=25,
                    help=f"measurements (graph replays or eager loops) per arm, size and mode, at least "

@@ -10,9 +10,12 @@ import torch.distributed as dist
 
 # Every arm the benchmark knows, per device type, in the order they run in round 0 (--arms picks a subset).
 NAMES = {
-    "cuda": ["rocenante", "rocenante_backend", "nccl", "symm_mem_one_shot", "symm_mem_two_shot"],
-    "cpu": ["rocenante", "rocenante_backend", "gloo", "memcpy"],
+    "cuda": ["rocenante", "rocenante_backend", "nccl", "symm_mem_one_shot", "symm_mem_two_shot", "rocenante_net_tcp"],
+    "cpu": ["rocenante", "rocenante_backend", "gloo", "memcpy", "rocenante_net_tcp"],
 }
+# Run only when --arms names them (not part of the default "all"): rocenante_net_tcp's proxy thread polls
+# beside the other arms.
+ON_REQUEST = ["rocenante_net_tcp"]
 
 
 class Arm:

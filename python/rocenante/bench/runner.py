@@ -341,7 +341,7 @@ def worker(store, rank, world, cfg, publish) -> None:
     backend_group = dist.new_group(backend="rocenante")
     arms: list = [arms_mod.Rocenante(ctx), arms_mod.Collective(ctx, "rocenante_backend", backend_group)]
     net_comm = None
-    if "rocenante_net_tcp" in cfg["arms"]:  # only on request: its proxy thread polls beside the other arms
+    if "rocenante_net_tcp" in cfg["arms"]:  # only on request (arms.ON_REQUEST)
         net_comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"],
                                           name="bench_net_tcp", net="tcp")
         arms.append(arms_mod.Rocenante(Context(rank, world, device, net_comm), "rocenante_net_tcp"))
