@@ -9,24 +9,27 @@
 // Connections: one TCP connection per ordered pair of ranks. Rank s's outgoing connection to r carries, in
 // order, s's messages for r (a Header, then its payload); r's receiver thread for s reads them one at a time
 // and answers each signal with an ack on the same connection:
-//   write   bytes [offset, offset + bytes) of s's image, placed at the same offset of r's region;
-//   signal  seq = s's count of signals to r before this one; r checks it;
+//   write   bytes [offset, offset + bytes) of s's image, for the same offset of r's region: read whole and
+//           kept until the round's signal;
+//   signal  seq = s's count of signals to r before this one; r checks it, places the round's writes, acks;
 //   abort   an 8-byte abort word, placed at abort[s] of r's region with one atomic 64-bit store.
 // Invariants, for one sender s and one receiver r:
 //   1. An ack means: this signal and every write s queued for r before it were placed. TCP delivers a
-//      connection's bytes once each and in order, and r's one thread for s places each write whole before it
-//      reads the next message; it sends the ack only after that. delivered() returns true only once every
-//      signal was acked, and the next round's deliver() comes only after it (transport.h), so nothing of a
-//      round lands after the sender's delivered() returned true, and TCP hands the application no duplicate:
-//      the stale-write argument ibverbs.cc makes for RDMA holds here, more simply.
-//   2. arrived(s) counts a signal only after its ack was written, so everything before it was placed. Writes
-//      are placed in random order, segment by segment (1 word to a page, shuffled), 32-bit word by word: a
-//      reducer reads s's words only once the arrival word says the delivery arrived whole (layout.h, Mailbox),
-//      so a format relying on placement order or on more than 32-bit atomicity fails its tests here.
+//      connection's bytes once each and in order, and r's one thread for s places a round's writes when it
+//      reads the round's signal, before it reads the next message; it sends the ack only after that.
+//      delivered() returns true only once every signal was acked, and the next round's deliver() comes only
+//      after it (transport.h), so nothing of a round lands after the sender's delivered() returned true, and
+//      TCP hands the application no duplicate: the stale-write argument ibverbs.cc makes for RDMA holds here,
+//      more simply.
+//   2. arrived(s) counts a signal only after its ack was written, so everything before it was placed. A round
+//      is placed in random order: all its writes (call word and area alike) cut into segments of 1 word to a
+//      page, shuffled together, stored 32-bit word by word, with yields in between. A reducer reads s's words
+//      only once the arrival word says the delivery arrived whole (layout.h, Mailbox); one that does not, or a
+//      format relying on placement order or on more than 32-bit atomicity, fails its tests here.
 //   3. Every header is hostile input: a write must lie inside the region past the abort words, 4-byte aligned;
 //      an abort must name s's own abort word; a signal must carry the next seq. Anything else ends s's
-//      connection as kBadSignal; nothing is ever placed out of bounds. A write is placed only once read whole,
-//      so a connection that breaks in the middle of one places nothing of it.
+//      connection as kBadSignal, and so do writes adding up to more than a region in one round; nothing is ever
+//      placed out of bounds. A connection that breaks in the middle of a round places nothing of it.
 //   4. Abort words travel without a signal (their readers only ask "nonzero?"), ahead of queued messages not
 //      yet started.
 //   5. A connection joins only with the hello {magic, its sender's rank, the receiver's nonce}: the nonce is
@@ -69,8 +72,16 @@ constexpr double kConnectWaitS = 30.0;
 // post_abort's longest wait for the socket to take an abort word: the peers of a faulted rank are usually
 // told at once; one that cannot be (stopped, its socket full) times out instead.
 constexpr double kAbortPushS = 0.1;
-// Placement segments are 1 word to a page (4 KiB) long: both word-level and page-level reorderings occur.
-constexpr size_t kMaxSegmentWords = 1024;
+// Placement segments are 1 word to a page (4 KiB) long, log-uniformly (up to 2^k words, k uniform in
+// 0..kMaxSegmentLog2), so that even a small delivery is cut between adjacent words, and large ones move whole
+// pages too.
+constexpr unsigned kMaxSegmentLog2 = 10;
+// Yields of the receiver thread while it places one round, evenly spaced, so that a reader polling the region
+// meets rounds half placed; a few per round, not one every few segments, which made 4 MiB rounds 100x slower
+// beside spinning threads on 2 cores. Measured with the host loop reading a peer's words without waiting for
+// its arrival word, test_cpu_net's every-dtype and back-to-back tests failed 8 times in 3 runs of the 3 (int32
+// sums came out wrong), and 0 times in 2 runs without yields.
+constexpr size_t kYieldsPerRound = 3;
 // Messages gathered into one sendmsg() (two iovecs each: header and payload).
 constexpr int kBatch = 16;
 
@@ -105,6 +116,13 @@ struct Header {
 static_assert(sizeof(Header) == 24, "Header travels as raw bytes: no implicit padding");
 using Ack = uint32_t;  // the seq of the signal it acknowledges
 
+// Words [src, src + count) of a round's payloads, placed at word dst of the region.
+struct Segment {
+  size_t dst;
+  size_t src;
+  size_t count;
+};
+
 // A message waiting in a send queue. Payload: image[offset, offset + bytes) for a write, `word` for an abort.
 struct Outgoing {
   Header header;
@@ -124,12 +142,13 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// Blocking: false once the connection ended (EOF, reset, shutdown) before `bytes` arrived.
-bool read_all(int fd, void* dst, size_t bytes) {
+// False once the connection ended (EOF, reset, shutdown) before `bytes` arrived, or `deadline` (if any) passed.
+bool read_all(int fd, void* dst, size_t bytes, const Clock::time_point* deadline = nullptr) {
   char* p = static_cast<char*>(dst);
   while (bytes > 0) {
-    const ssize_t n = recv(fd, p, bytes, 0);
-    if (n < 0 && errno == EINTR) continue;
+    if (deadline != nullptr && !wait_fd(fd, POLLIN, *deadline)) return false;
+    const ssize_t n = recv(fd, p, bytes, deadline != nullptr ? MSG_DONTWAIT : 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n <= 0) return false;
     p += n;
     bytes -= size_t(n);
@@ -142,20 +161,6 @@ bool write_all(int fd, const void* src, size_t bytes) {
   while (bytes > 0) {
     const ssize_t n = send(fd, p, bytes, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= size_t(n);
-  }
-  return true;
-}
-
-// Reads `bytes` from a socket before `deadline`; false if it closed or the time ran out.
-bool read_until(int fd, void* dst, size_t bytes, Clock::time_point deadline) {
-  char* p = static_cast<char*>(dst);
-  while (bytes > 0) {
-    if (!wait_fd(fd, POLLIN, deadline)) return false;
-    const ssize_t n = recv(fd, p, bytes, MSG_DONTWAIT);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n <= 0) return false;
     p += n;
     bytes -= size_t(n);
@@ -280,9 +285,9 @@ class TcpWire final : public Wire {
     }
   }
 
-  // A broken connection is reported once for what was posted to it and lost (a peer that closes after its
-  // last call is no failure by itself: proxy.cc), a connection closing before a malformed ack first; true
-  // once every live peer acked everything, or with the failure.
+  // True once every live peer acked everything, or with a failure: a broken connection is reported once, for
+  // what was posted to it and lost (a peer that closes after its last call is no failure by itself: proxy.cc),
+  // a malformed ack before a closed connection.
   bool delivered(uint64_t& fault) override {
     bool done = true;
     int failed = -1;
@@ -399,7 +404,7 @@ class TcpWire final : public Wire {
         throw_system_error("accept4", __FILE__, __LINE__);
       }
       Hello hello{};
-      if (!read_until(fd, &hello, sizeof(hello), deadline)) {
+      if (!read_all(fd, &hello, sizeof(hello), &deadline)) {
         close(fd);
         ROCENANTE_THROW(Error, not_connected() + " (a connection came but said no hello)");
       }
@@ -497,30 +502,29 @@ class TcpWire final : public Wire {
     Peer& q = peers_[p];
     uint32_t status = kConnectionClosed;
     try {
-      std::vector<uint32_t> words;
-      std::vector<std::pair<size_t, size_t>> segments;  // (first word, word count)
+      std::vector<uint32_t> words;     // the payloads of this round's writes, back to back
+      std::vector<Segment> segments;   // the round's writes, cut
       std::mt19937_64 rng(std::random_device{}());
       uint32_t expected = 0;  // seq of the next signal
       for (Header h; read_all(q.in, &h, sizeof(h));) {
-        if (!valid(p, h, expected)) {
+        // A round never writes more than a region: more is hostile, and would grow `words` without bound.
+        if (!valid(p, h, expected) || (h.kind == kWrite && h.bytes / sizeof(uint32_t) > bytes_ / 4 - words.size())) {
           status = kBadSignal;
           shutdown(q.in, SHUT_RDWR);  // the sender learns at once that this connection is over
           break;
         }
         if (h.kind == kWrite) {
-          words.resize(h.bytes / sizeof(uint32_t));
-          if (!read_all(q.in, words.data(), h.bytes)) break;
-          segments.clear();
-          for (size_t at = 0; at < words.size();) {
-            const size_t len = std::min(words.size() - at, size_t(1 + rng() % kMaxSegmentWords));
-            segments.emplace_back(at, len);
+          const size_t first = words.size(), count = h.bytes / sizeof(uint32_t);
+          words.resize(first + count);
+          if (!read_all(q.in, words.data() + first, h.bytes)) break;
+          for (size_t at = 0; at < count;) {
+            const size_t longest = size_t(1) << (rng() % (kMaxSegmentLog2 + 1));
+            const size_t len = std::min(count - at, size_t(1 + rng() % longest));
+            segments.push_back({h.offset / sizeof(uint32_t) + at, first + at, len});
             at += len;
           }
-          std::shuffle(segments.begin(), segments.end(), rng);
-          uint32_t* dst = local_region() + h.offset / sizeof(uint32_t);
-          for (const auto& [first, count] : segments)
-            for (size_t i = first; i < first + count; ++i) __atomic_store_n(dst + i, words[i], __ATOMIC_RELAXED);
         } else if (h.kind == kSignal) {
+          place(words, segments, rng);
           ++expected;
           const Ack ack = h.seq;
           const bool acked = write_all(q.in, &ack, sizeof(ack));
@@ -532,10 +536,25 @@ class TcpWire final : public Wire {
           __atomic_store_n(abort_word(local_region(), p), word, __ATOMIC_RELEASE);
         }
       }
-    } catch (const std::bad_alloc&) {  // a write's buffer: the connection cannot go on
+    } catch (const std::bad_alloc&) {  // a round's buffer: the connection cannot go on
       shutdown(q.in, SHUT_RDWR);
     }
     q.in_status.store(status, std::memory_order_release);
+  }
+
+  // Places a round's writes (invariant 2): every segment of every write in one random order, word by word,
+  // yielding a few times so that a reader that does not wait for the signal sees the round half placed.
+  void place(std::vector<uint32_t>& words, std::vector<Segment>& segments, std::mt19937_64& rng) const {
+    std::shuffle(segments.begin(), segments.end(), rng);
+    uint32_t* region = local_region();
+    const size_t stride = segments.size() / (kYieldsPerRound + 1) + 1;
+    for (size_t n = 0; n < segments.size(); ++n) {
+      const Segment& g = segments[n];
+      for (size_t i = 0; i < g.count; ++i) __atomic_store_n(region + g.dst + i, words[g.src + i], __ATOMIC_RELAXED);
+      if ((n + 1) % stride == 0 && n + 1 < segments.size()) std::this_thread::yield();
+    }
+    words.clear();
+    segments.clear();
   }
 
   bool valid(int p, const Header& h, uint32_t expected) const {
