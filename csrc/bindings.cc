@@ -96,7 +96,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
            py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{})
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
-      .def("connect", &Communicator::connect, py::arg("handles"))
+      // Over the TCP wire connecting waits for the peers (up to 30 s): other Python threads keep running.
+      .def("connect", &Communicator::connect, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
       .def("all_connected", &Communicator::all_connected)
       .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())

@@ -221,7 +221,7 @@ std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std:
 
 std::string transport_status(uint32_t status) {
   switch (status) {
-    case kBadSignal: return "a delivery signal arrived out of sequence";
+    case kBadSignal: return "a delivery signal arrived out of sequence, or a malformed message (TCP wire)";
     case kConnectionClosed: return "the connection closed (the peer's process ended or it closed the communicator)";
     default: return verbs_status(status);
   }
