@@ -18,12 +18,9 @@ schema rocenante.bench/1 (rows: arm, mode, dtype, bytes, median_us, p10_us, p90_
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -136,13 +133,6 @@ def worker(store, rank, world, cfg):
     return rows
 
 
-def _entry(store_path, rank, world, cfg, queue):
-    try:
-        queue.put((rank, worker(dist.FileStore(store_path, world), rank, world, cfg)))
-    except BaseException:
-        queue.put((rank, {"error": traceback.format_exc()}))
-
-
 def summarize(rows):
     """Per (hidden, tokens): the most fusing could gain, torch_add_rmsnorm / rocenante_allreduce_rmsnorm."""
     by = {(r["hidden"], r["tokens"], r["arm"]): r["median_us"] for r in rows}
@@ -159,6 +149,7 @@ def summarize(rows):
 
 def main(argv=None) -> int:
     from rocenante.bench import provenance, report
+    from rocenante.bench.runner import run_spawned
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU)")
@@ -179,18 +170,7 @@ def main(argv=None) -> int:
     cfg = {"device": a.device, "rounds": a.rounds, "ops": a.ops, "dtype": a.dtype, "arms": a.arms.split(","),
            "tokens": [int(t) for t in a.tokens.split(",")], "hiddens": [int(h) for h in a.hiddens.split(",")]}
     load_before = os.getloadavg()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(store, r, world, cfg, queue)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+    results = run_spawned(worker, world, cfg, timeout=1800)
     failed = {r: v["error"] for r, v in results.items() if isinstance(v, dict)}
     if failed:
         for r, err in sorted(failed.items()):

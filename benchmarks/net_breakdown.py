@@ -30,13 +30,10 @@ issued back to back, host-timed (issue to synchronize() returning), rows arm "ro
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -191,15 +188,9 @@ def breakdown(results, cfg):
     return rows
 
 
-def _entry(store_path, rank, world, cfg, queue):
-    try:
-        queue.put((rank, worker(dist.FileStore(store_path, world), rank, world, cfg)))
-    except BaseException:
-        queue.put((rank, {"error": traceback.format_exc()}))
-
-
 def main(argv=None) -> int:
     from rocenante.bench import provenance, report
+    from rocenante.bench.runner import run_spawned
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results/net-breakdown.json")
@@ -216,15 +207,7 @@ def main(argv=None) -> int:
            "replays": a.replays}
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     load_before = os.getloadavg()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_entry, args=(os.path.join(tmp, "store"), r, 2, cfg, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=1200) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
+    results = run_spawned(worker, 2, cfg, timeout=1200)
     failed = {r: v["error"] for r, v in results.items() if "error" in v}
     if failed:
         for r, err in sorted(failed.items()):

@@ -14,6 +14,7 @@ clock."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import statistics
 import time
@@ -378,6 +379,34 @@ def worker(store, rank, world, cfg, publish) -> None:
     if net_comm is not None:
         net_comm.close()
     dist.destroy_process_group()
+
+
+def _run_spawned(fn, store_path: str, rank: int, world: int, cfg: dict, queue) -> None:
+    try:
+        queue.put((rank, fn(dist.FileStore(store_path, world), rank, world, cfg)))
+    except BaseException:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def run_spawned(fn, world: int, cfg: dict, timeout: float) -> dict:
+    """Runs fn(store, rank, world, cfg) in `world` spawned processes sharing a FileStore (for the scripts in
+    benchmarks/); returns {rank: what fn returned, or {"error": its traceback}}."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_run_spawned, args=(fn, store, r, world, cfg, queue)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get(timeout=timeout) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return results
 
 
 def run_rank(store_path: str, rank: int, world: int, cfg: dict, queue) -> None:
