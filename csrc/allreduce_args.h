@@ -8,6 +8,22 @@
 
 namespace rocenante {
 
+// The residual add and RMSNorm fused into the kernel (FlashInfer's kARResidualRMSNorm), for GPU calls of one
+// piece whose rows fit the kernel's bound (OneshotKernel::fuses()). Per row of `hidden` elements of the sum s:
+//   residual_out = s + residual_in                   (s rounded to the dtype, the add in fp32, rounded)
+//   norm_out = residual_out * rsqrt(mean(residual_out^2) + eps) * (weight_bias + gamma)   (fp32, rounded)
+// the same rounding points as the plain all-reduce followed by the caller's torch ops. The plain output (out)
+// is not written. Every pointer may equal `in` or residual_in, or be disjoint from it (Communicator checks).
+struct RowNorm {
+  const void* residual_in;
+  void* residual_out;
+  void* norm_out;
+  const void* gamma;  // hidden elements of the dtype
+  float eps;
+  float weight_bias;
+  uint32_t hidden;  // elements per row; 0: a plain all-reduce
+};
+
 struct AllReduceArgs {
   const void* in;
   void* out;  // may equal `in`
@@ -15,7 +31,7 @@ struct AllReduceArgs {
   size_t bytes;  // count * dtype_size
   DType dtype;
   ReduceOp op;
-  uint32_t signature;  // call_signature(count, dtype, op)
+  uint32_t signature;  // call_signature(count, dtype, op, norm.hidden != 0)
   int rank;
   int world;
   RegionLayout layout;
@@ -30,6 +46,7 @@ struct AllReduceArgs {
   Mailbox* mailbox;  // null when no peer is a network peer
   Timeline* timeline;  // timeline builds (timeline.h), GPU: where the kernel records its events; else null
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
+  RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
 };
 
 // A wait that has read the clock also reads the abort words of its region's header, with `load` (the host's

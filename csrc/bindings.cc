@@ -79,9 +79,9 @@ PYBIND11_MODULE(_C, m) {
   wire.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
     return rocenante::RegionLayout{capacity_bytes, world}.area_offset(buffer, receiver, source);
   }, py::arg("capacity_bytes"), py::arg("world"), py::arg("buffer"), py::arg("receiver"), py::arg("source"));
-  wire.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch) {
-    return rocenante::make_flag(rocenante::call_signature(count, dtype, op), epoch);
-  }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"));
+  wire.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch, bool fused) {
+    return rocenante::make_flag(rocenante::call_signature(count, dtype, op, fused), epoch);
+  }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"), py::arg("fused") = false);
   wire.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
 
   py::class_<Communicator>(m, "Communicator")
@@ -101,6 +101,11 @@ PYBIND11_MODULE(_C, m) {
       .def("all_connected", &Communicator::all_connected)
       .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("fuses_add_rmsnorm", &Communicator::fuses_add_rmsnorm, py::arg("count"), py::arg("hidden"), py::arg("dtype"))
+      .def("all_reduce_add_rmsnorm", &Communicator::all_reduce_add_rmsnorm, py::arg("inp"), py::arg("residual_in"),
+           py::arg("gamma"), py::arg("residual_out"), py::arg("norm_out"), py::arg("count"), py::arg("hidden"),
+           py::arg("dtype"), py::arg("eps"), py::arg("weight_bias"), py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>())
       .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("check", &Communicator::check)  // reads two words: not worth releasing the GIL
       .def_property_readonly("fault_call", &Communicator::fault_call)

@@ -35,8 +35,9 @@ const char* op_name(ReduceOp op) {
   }
   return "?";
 }
-std::string describe_call(size_t count, DType dtype, ReduceOp op) {
-  return std::to_string(count) + " x " + dtype_name(dtype) + " (op " + op_name(op) + ")";
+std::string describe_call(size_t count, DType dtype, ReduceOp op, bool fused = false) {
+  return std::to_string(count) + " x " + dtype_name(dtype) + " (op " + op_name(op) +
+         (fused ? ", fused with the residual add and RMSNorm)" : ")");
 }
 
 // What every rank must agree on before any line moves; sent in front of the transport's handle.
@@ -47,7 +48,7 @@ struct Config {
   int32_t on_gpu;
   uint32_t zero;  // explicit padding, always 0, so that memcmp compares only bytes we set
 };
-constexpr uint32_t kConfigMagic = 0x524f4333;  // "ROC3": bump when the protocol changes
+constexpr uint32_t kConfigMagic = 0x524f4334;  // "ROC4": bump when the protocol changes
 static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
 
 Config config_of(int world, size_t capacity_bytes, int device) {
@@ -255,17 +256,7 @@ const char* Communicator::validate_local(uintptr_t in, uintptr_t out, size_t cou
   return nullptr;
 }
 
-uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
-  std::unique_lock<std::mutex> lock(issue_);
-  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  if (const uint64_t fault = current_fault()) fail(fault, "");
-  validate_shared(dtype, op);
-  if (count == 0) return 0;
-  if (const char* why = validate_local(in, out, count, dtype)) {
-    lock.unlock();
-    refuse(describe_call(count, dtype, op) + ": " + why);
-  }
-
+AllReduceArgs Communicator::call_args(DType dtype, ReduceOp op) const {
   AllReduceArgs a{};
   a.dtype = dtype;
   a.op = op;
@@ -279,6 +270,21 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   a.mailbox = transport_->mailbox();
   a.timeline = device_timeline_;
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
+  return a;
+}
+
+uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
+  std::unique_lock<std::mutex> lock(issue_);
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (const uint64_t fault = current_fault()) fail(fault, "");
+  validate_shared(dtype, op);
+  if (count == 0) return 0;
+  if (const char* why = validate_local(in, out, count, dtype)) {
+    lock.unlock();
+    refuse(describe_call(count, dtype, op) + ": " + why);
+  }
+
+  AllReduceArgs a = call_args(dtype, op);
 
   // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A piece is a
   // multiple of 512 bytes, so every piece keeps the caller's alignment.
@@ -308,6 +314,73 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
     if (record(fault, epoch)) tell_peers(fault, epoch);
     fail(fault_.load(), this_call);
   }
+  return epoch;
+}
+
+bool Communicator::fuses_add_rmsnorm(size_t count, size_t hidden, DType dtype) const {
+  return kernel_ != nullptr && uint32_t(dtype) < kNumDTypes &&
+         rocenante::fuses_add_rmsnorm(count, hidden, dtype, piece_bytes(layout_.capacity_bytes, dtype));
+}
+
+// What only this rank can see about a fused call; nullptr when the pointers are fine. Each thread of the
+// kernel reads its chunks of the input and residual_in before it writes the same chunks of the outputs, and
+// every thread reads all of gamma: so an output may be the input or residual_in, or the other output, but
+// must not overlap anything else.
+const char* Communicator::validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
+                                         uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const {
+  const size_t esize = dtype_size(dtype);
+  const size_t bytes = count * esize;
+  struct Span {
+    uintptr_t begin;
+    size_t bytes;
+  };
+  const Span spans[] = {{in, bytes}, {residual_in, bytes}, {gamma, hidden * esize}, {residual_out, bytes},
+                        {norm_out, bytes}};
+  for (const Span& t : spans) {
+    if (t.begin == 0) return "a null pointer among input, residual_in, gamma, residual_out and norm_out";
+    if (t.begin % esize != 0) return "input, residual_in, gamma, residual_out and norm_out must be aligned to their element size";
+  }
+  const auto overlap = [](const Span& x, const Span& y) { return x.begin < y.begin + y.bytes && y.begin < x.begin + x.bytes; };
+  for (const Span& out : {spans[3], spans[4]}) {
+    for (const Span& other : {spans[0], spans[1], spans[3], spans[4]})
+      if (other.begin != out.begin && overlap(out, other))
+        return "an output overlaps the input, residual_in or the other output without being the same buffer";
+    if (overlap(out, spans[2])) return "an output overlaps gamma";
+  }
+  return nullptr;
+}
+
+uint32_t Communicator::all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_in, uintptr_t gamma,
+                                              uintptr_t residual_out, uintptr_t norm_out, size_t count,
+                                              size_t hidden, DType dtype, float eps, float weight_bias,
+                                              uintptr_t stream) {
+  std::unique_lock<std::mutex> lock(issue_);
+  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
+  if (const uint64_t fault = current_fault()) fail(fault, "");
+  validate_shared(dtype, ReduceOp::kSum);
+  // The same refusal on every rank (their calls share count, hidden and dtype, or mismatch): still usable.
+  if (!fuses_add_rmsnorm(count, hidden, dtype))
+    ROCENANTE_THROW(InvalidArgument,
+                    describe_call(count, dtype, ReduceOp::kSum, true) + " in rows of " + std::to_string(hidden) +
+                        ": not fused here (fused: GPU, a float dtype, rows of a multiple of 16 bytes up to " +
+                        std::to_string(kThreads * kMaxRowChunks * kChunkBytes) + ", one piece of at most " +
+                        std::to_string(layout_.capacity_bytes) + " bytes)");
+  if (const char* why = validate_fused(in, residual_in, gamma, residual_out, norm_out, count, hidden, dtype)) {
+    lock.unlock();
+    refuse(describe_call(count, dtype, ReduceOp::kSum, true) + ": " + why);
+  }
+
+  AllReduceArgs a = call_args(dtype, ReduceOp::kSum);
+  a.count = count;
+  a.bytes = count * dtype_size(dtype);
+  a.in = reinterpret_cast<const void*>(in);
+  a.signature = call_signature(count, dtype, ReduceOp::kSum, true);
+  a.norm = RowNorm{reinterpret_cast<const void*>(residual_in), reinterpret_cast<void*>(residual_out),
+                   reinterpret_cast<void*>(norm_out), reinterpret_cast<const void*>(gamma), eps, weight_bias,
+                   uint32_t(hidden)};
+  const uint32_t epoch = next_epoch(issued_);
+  issued_ = epoch;
+  if (kernel_->launch(a, stream)) captured_ = true;
   return epoch;
 }
 
@@ -407,9 +480,10 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
     case Fault::kCallMismatch: {
       const uint32_t sig = fault_value(fault);
       return where + "rank " + std::to_string(detail) + " called all_reduce with " +
-             describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig)) +
+             describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig), signature_fused(sig)) +
              (this_call.empty() ? "" : ", this rank with " + this_call) +
-             "; every rank must pass the same size, dtype and op. The communicator is closed";
+             "; every rank must pass the same size, dtype and op (and fuse the add and RMSNorm or not alike). "
+             "The communicator is closed";
     }
     case Fault::kPeerAborted:
       return where + "rank " + std::to_string(detail) + " aborted the communicator: " + abort_reason(fault_value(fault)) + closed;

@@ -51,6 +51,19 @@ class Communicator {
   // thread and stream execute in the order they are issued here. Returns the call's number (its epoch, as long
   // as no captured graph has replayed calls: see captured()); 0 for an empty call.
   uint32_t all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  // Whether all_reduce_add_rmsnorm() serves `count` elements of `dtype` in rows of `hidden`: a GPU communicator,
+  // and a call the kernel fuses (fuses_add_rmsnorm(), device/oneshot_kernel.h) of one piece. It depends only on
+  // what every rank's call shares, so every rank answers alike.
+  bool fuses_add_rmsnorm(size_t count, size_t hidden, DType dtype) const;
+  // FlashInfer's kARResidualRMSNorm as one kernel: the sum over ranks of `count` elements of `in`, in rows of
+  // `hidden`, with residual_in added (residual_out) and RMSNorm applied (norm_out = residual_out * rsqrt(mean of
+  // squares + eps) * (weight_bias + gamma)); the sum itself is not written. Rounding as the all-reduce followed
+  // by torch's ops (AllReduceArgs's RowNorm). Enqueued as all_reduce() enqueues; a call fuses_add_rmsnorm()
+  // refuses is refused alike on every rank (the communicator stays usable); the peers must make the same fused
+  // call (the call word says so). residual_out or norm_out may be `in`, residual_in or each other.
+  uint32_t all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
+                                  uintptr_t norm_out, size_t count, size_t hidden, DType dtype, float eps,
+                                  float weight_bias, uintptr_t stream);
   // A call this rank refuses for a reason its peers cannot see (a bad pointer, device or layout): their side
   // of the call is already under way, so the communicator faults, tells them, and raises InvalidArgument.
   [[noreturn]] void refuse(const std::string& why);
@@ -87,6 +100,10 @@ class Communicator {
  private:
   void validate_shared(DType dtype, ReduceOp op) const;
   const char* validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
+  const char* validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
+                             uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;
+  // The arguments every call of this communicator shares (its rank, regions, transports, timeout).
+  AllReduceArgs call_args(DType dtype, ReduceOp op) const;
   // Records `fault` (the first one stays) for call `epoch`, with its words if they are known already (a
   // refusal's); true if it was the first.
   bool record(uint64_t fault, uint32_t epoch, const std::string& words = "");

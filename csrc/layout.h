@@ -142,14 +142,22 @@ constexpr int kMaxRanks = 8;
 // signature.
 constexpr size_t kMaxCapacityBytes = size_t(128) << 20;
 
-// Signature of a call: the element count (< 2^27, since capacity <= 128 MiB and elements are >= 2 bytes),
-// dtype and op, packed injectively into bits 1..31. Bit 0 stays clear for make_flag.
-ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op) {
-  return (uint32_t(count) << 5) | (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
+// Signature of a call: the element count minus one (< 2^26, since capacity <= 128 MiB and elements are >= 2
+// bytes), dtype, op, and whether the call fuses the residual add and RMSNorm (bit 31), packed injectively into
+// bits 1..31. Bit 0 stays clear for make_flag.
+// The fused bit is there so that ranks that disagree on the pattern are told: a fused call exchanges exactly
+// the data of a plain call of the same count, dtype and op, but its rounding of the norm can differ in the
+// last bit from the caller's own ops, and every rank must produce the same bits. What the fused epilogue takes
+// besides (row length, eps, gamma, the residual) shapes only what each rank computes from the reduced rows, as
+// a caller's ops after a plain all-reduce would; like the data itself, keeping it alike is the caller's part.
+ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op, bool fused = false) {
+  return (uint32_t(fused) << 31) | (uint32_t(count - 1) << 5) | (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
 }
-ROCENANTE_HD size_t signature_count(uint32_t sig) { return sig >> 5; }
+ROCENANTE_HD size_t signature_count(uint32_t sig) { return ((sig >> 5) & 0x3FFFFFFu) + 1; }
 ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
 ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
+ROCENANTE_HD bool signature_fused(uint32_t sig) { return (sig >> 31) != 0; }
+static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 26), "count - 1 of the largest piece fits in 26 bits");
 
 // Never kEmpty (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which
 // call the peer made: signature = (flag ^ (epoch << 1)) & ~1.

@@ -1,23 +1,30 @@
 // The one-shot all-reduce kernel: one launch does the whole collective, in the formats of layout.h.
 //
-//   push:  each thread reads one 16-byte chunk of the input and stores it (Lamport: sanitized; int32: as two
+//   push:  each thread reads its 16-byte chunks of the input and stores each (Lamport: sanitized; int32: as two
 //          lines) into this rank's area of the call's buffer in every peer's region (over NVLink via CUDA IPC
 //          mappings); one thread also stores the call word;
 //   reset: while the data travels, the threads write kEmpty over the previous call's buffer of our own region;
-//   pull:  each thread polls its own region for the same chunk from every peer until every word has arrived and
-//          the peer's call word equals ours, combines all inputs in rank order (fp32 accumulation) and writes
-//          the output chunk.
+//   pull:  each thread polls its own region for the same chunks from every peer until every word has arrived
+//          and the peer's call word equals ours, combines all inputs in rank order (fp32 accumulation) and
+//          writes the output chunk.
+//
+// The same kernel, instantiated with kFused, adds the residual and applies RMSNorm (AllReduceArgs::norm) as an
+// epilogue of the pull: its CTAs take whole rows instead of strided chunks, keep a row's sums in registers,
+// and add up the row's squares across the CTA before they write the norm (row_norm.cuh). The push, the reset
+// and the receive of each chunk are the same code for both.
 //
 // Network peers (RDMA, the TCP wire: AllReduceArgs::network) are served by the same loop: the push goes into this
 // rank's image of their regions in pinned host memory, the last CTA to finish its stores rings the proxy's
 // doorbell, and a thread reads a network peer's call word and chunks only after that peer's arrival word says
 // its delivery of this call is whole (layout.h, Mailbox). Direct peers and network peers can sit side by side.
 //
-// No CTA waits for another CTA and no thread waits for anything but its own chunk and the call words, so there
-// is no barrier round (the doorbell's counter only counts CTAs that are done storing; none waits on it). A thread that waits past the timeout, sees a call mismatch or reads an abort word records
+// No CTA waits for another CTA and no thread waits for anything but its own chunks and the call words, so there
+// is no barrier round (the doorbell's counter only counts CTAs that are done storing; none waits on it; a fused
+// row's barrier joins only the threads of one CTA). A thread that waits past the timeout, sees a call mismatch or reads an abort word records
 // the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
 // computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
-// INT32_MIN), never a stale or partial sum.
+// INT32_MIN), never a stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
+// norm_out alike).
 #include <time.h>
 
 #include <algorithm>
@@ -26,7 +33,9 @@
 
 #include "../chunk_reduce.h"
 #include "../cuda_check.h"
+#include "chunk_io.cuh"
 #include "oneshot_kernel.h"
+#include "row_norm.cuh"
 #include "wire.cuh"
 
 namespace rocenante {
@@ -58,57 +67,7 @@ struct DeviceState {
   uint32_t* sent;
 };
 
-constexpr int kThreads = 256;         // per CTA; small messages use fewer (a multiple of a warp)
 constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault words
-constexpr int kSendBatch = 4;           // chunks a thread loads before it sends them
-
-__device__ void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
-  const size_t begin = c * kChunkBytes;
-  const char* src = static_cast<const char*>(a.in) + begin;
-  if (begin + kChunkBytes <= a.bytes && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
-    const uint4 v = *reinterpret_cast<const uint4*>(src);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    return;
-  }
-  // Tail chunk, or an input that is only element-aligned: element by element, zero-padded.
-  w[0] = w[1] = w[2] = w[3] = 0;
-  const int n = int(min(kChunkBytes, a.bytes - begin));
-  // Constant trip counts keep w[] in registers (a run-time index would move it to local memory).
-  if (dtype_size(a.dtype) == 2) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (2 * i < n) w[i / 2] |= uint32_t(reinterpret_cast<const uint16_t*>(src)[i]) << (16 * (i % 2));
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (4 * i < n) w[i] = reinterpret_cast<const uint32_t*>(src)[i];
-  }
-}
-
-__device__ void store_chunk(const AllReduceArgs& a, size_t c, const uint32_t (&w)[4]) {
-  const size_t begin = c * kChunkBytes;
-  char* dst = static_cast<char*>(a.out) + begin;
-  if (begin + kChunkBytes <= a.bytes && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    return;
-  }
-  const int n = int(min(kChunkBytes, a.bytes - begin));
-  if (dtype_size(a.dtype) == 2) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (2 * i < n) reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(w[i / 2] >> (16 * (i % 2)));
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (4 * i < n) reinterpret_cast<uint32_t*>(dst)[i] = w[i];
-  }
-}
-
-__device__ void store_poison(const AllReduceArgs& a, size_t c) {
-  const uint32_t p = poison_word(a.dtype);
-  const uint32_t w[4] = {p, p, p, p};
-  store_chunk(a, c, w);
-}
 
 // Timeline builds: records `event` of call `epoch` on %globaltimer (timeline.h).
 __device__ __forceinline__ void note(const AllReduceArgs& a, uint32_t epoch, TimelineEvent event) {
@@ -157,64 +116,59 @@ __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, 
   return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
-// Words one thread holds per peer for its chunk: the chunk itself (Lamport), or its two lines.
-template <DType D>
-constexpr int kWireWords = format_of(D) == Format::kLamport ? 4 : 4 * int(kLinesPerChunk);
+// Which chunks a thread sends and then receives: the same ones, so that a thread reads its own input chunk
+// before it writes any output at that chunk's place, and in-place calls (outputs equal to the input or the
+// residual) need no CTA to wait for another. A walk goes through a thread's chunks kSendBatch at a time from a
+// cursor: chunk(at, i) is the i-th chunk from `at`, or a value >= the call's chunk count where there is none.
+// Plain calls: chunk first + k * stride, one per thread of the grid in turn; the cursor is the chunk itself.
+struct Strided {
+  static constexpr bool kGaps = false;  // once a chunk is past the end, so are all later ones
+  size_t first, stride, chunks;
+  __device__ size_t start() const { return first; }
+  __device__ bool done(size_t at) const { return at >= chunks; }
+  __device__ size_t chunk(size_t at, int i) const { return at + i * stride; }
+  __device__ size_t next(size_t at) const { return at + kSendBatch * stride; }
+};
+// Fused calls: Rows (row_norm.cuh).
 
-template <DType D>
-__device__ __forceinline__ void send_chunk(uint32_t* dst, size_t c, const uint32_t (&w)[4], uint32_t call) {
-  if constexpr (format_of(D) == Format::kLamport) {
-    store_remote(dst + c * (kChunkBytes / sizeof(uint32_t)), w);
-  } else {
-    Line* lines = reinterpret_cast<Line*>(dst);
-    store_line(lines + chunk_line(c, 0), w[0], w[1], call);
-    store_line(lines + chunk_line(c, 1), w[2], w[3], call);
-  }
-}
-
-// One poll of a peer's chunk: true once all of it has arrived (its words in `got`).
-template <DType D>
-__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<D>]) {
-  if constexpr (format_of(D) == Format::kLamport) {
-    uint32_t w[4];
-    load_polled(src + c * (kChunkBytes / sizeof(uint32_t)), w);
+// Sends this thread's chunks (walk) to every peer we store to. kSendBatch chunks at a time: their input loads
+// are all in flight before the first store (the stores' memory clobber keeps the compiler from moving later
+// loads above them).
+template <DType D, int W, class Walk>
+__device__ __forceinline__ void send_chunks(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks,
+                                            const Walk& walk) {
+  for (size_t at = walk.start(); !walk.done(at); at = walk.next(at)) {
+    uint32_t w[kSendBatch][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) got[i] = w[i];
-    return w[0] != kEmpty && w[1] != kEmpty && w[2] != kEmpty && w[3] != kEmpty;
-  } else {
-    const uint32_t* lines = src;
-    uint32_t l0[4], l1[4];
-    load_polled(lines + chunk_line(c, 0) * 4, l0);
-    load_polled(lines + chunk_line(c, 1) * 4, l1);
+    for (int i = 0; i < kSendBatch; ++i)
+      if (walk.chunk(at, i) < chunks) load_chunk(a, walk.chunk(at, i), w[i]);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) got[i] = l0[i], got[4 + i] = l1[i];
-    return l0[1] == call && l0[3] == call && l1[1] == call && l1[3] == call;
-  }
-}
-
-// The payload words of a chunk as polled.
-template <DType D>
-__device__ __forceinline__ void payload(const uint32_t (&got)[kWireWords<D>], uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport) {
+    for (int i = 0; i < kSendBatch; ++i) {
+      const size_t c = walk.chunk(at, i);
+      if (c >= chunks) {
+        if constexpr (Walk::kGaps) continue;
+        break;
+      }
+      sanitize<D>(w[i]);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = got[i];
-  } else {
-    w[0] = got[0], w[1] = got[2], w[2] = got[4], w[3] = got[6];
-  }
-}
-
-template <DType D>
-__device__ __forceinline__ void sanitize(uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = sanitize_word(w[i], D);
+      for (int p = 0; p < W; ++p)
+        if (p < a.world && (a.stores & (1u << p)))
+          send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c, w[i], call);
+    }
   }
 }
 
 // W: the world size rounded up to 2, 4 or 8, so that loops over peers unroll to what the world needs and a
-// small world keeps fewer registers (more CTAs resident, more loads in flight).
-template <DType D, ReduceOp Op, int W>
-__global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
+// small world keeps fewer registers (more CTAs resident, more loads in flight). kFused: the add + RMSNorm
+// epilogue (AllReduceArgs::norm), its CTAs reducing whole rows.
+// Launch bounds: kThreads; the fused kernels ask for 1 resident CTA per multiprocessor at least, so that ptxas
+// keeps a row in registers without spilling (118-189 registers by ptxas -v; one CTA per multiprocessor serves
+// the rows of decode), while for the plain kernels 0 leaves ptxas's register choice as it was.
+template <DType D, ReduceOp Op, int W, bool kFused>
+__global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
+    oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
+  static_assert(!kFused || kFusable<D, Op>, "the fused epilogue serves sums of float dtypes");
+  using C = Chunk<D>;
   // Launched with programmatic stream serialization (see launch()): this grid may be scheduled while the
   // previous kernel of the stream is still running. griddepcontrol.wait returns once that kernel has completed
   // and its writes (the caller's input, our epoch, spans and reset) are visible; launch_dependents then lets the
@@ -227,32 +181,25 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
+  Rows rows{};
+  if constexpr (kFused)
+    rows = {row_split(uint32_t(a.norm.hidden * dtype_size(D) / kChunkBytes)), a.count / a.norm.hidden};
   // A communicator that faulted before this launch sends nothing and poisons everything.
   bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
   if (first == 0) note(a, epoch, kKernelStart);
 
+  // Every CTA sends all of its chunks before it waits for anything, so no wait of any CTA depends on a CTA
+  // that has not sent yet, whatever chunks each CTA receives (below, the fused rows rely on it).
   if (!failed) {
     if (first == 0) {
 #pragma unroll
       for (int p = 0; p < W; ++p)
         if (p < a.world && (a.stores & (1u << p))) store_remote(call_word(a.peer[p], buffer, a.rank), call);
     }
-    // kSendBatch chunks at a time: their input loads are all in flight before the first store (the stores'
-    // memory clobber keeps the compiler from moving later loads above them).
-    for (size_t c0 = first; c0 < chunks; c0 += kSendBatch * stride) {
-      uint32_t w[kSendBatch][4];
-#pragma unroll
-      for (int i = 0; i < kSendBatch; ++i)
-        if (c0 + i * stride < chunks) load_chunk(a, c0 + i * stride, w[i]);
-#pragma unroll
-      for (int i = 0; i < kSendBatch; ++i) {
-        if (c0 + i * stride >= chunks) break;
-        sanitize<D>(w[i]);
-#pragma unroll
-        for (int p = 0; p < W; ++p)
-          if (p < a.world && (a.stores & (1u << p)))
-            send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c0 + i * stride, w[i], call);
-      }
+    if constexpr (kFused) {
+      send_chunks<D, W>(a, buffer, call, chunks, rows);
+    } else {
+      send_chunks<D, W>(a, buffer, call, chunks, Strided{first, stride, chunks});
     }
   }
 
@@ -268,76 +215,128 @@ __global__ void __launch_bounds__(kThreads) oneshot_allreduce_kernel(const AllRe
   if (first < kMaxRanks) store_relaxed(call_word(a.local, previous, int(first)), kEmpty);
   if (first == 0) store_relaxed(&s.spans[buffer], uint32_t(span_bytes(a.bytes, D)));
 
+  // The pull, one loop for both variants (the receive of a chunk is written once, here). Plain: a step per
+  // chunk of this thread (one slot, the chunk itself), its sum stored to the output. Fused: a step per row of
+  // this CTA (rows b, b + gridDim.x, ...), its slots the thread's chunks of the row; each sum gets the residual
+  // added (residual_out, stored at once) and its squares counted, and once the CTA has them all, write_norm().
+  // A fused row waits for chunks that peers' CTAs of any index send: deadlock-free, as every CTA sends all of
+  // its chunks first (above) and every CTA of a launch is resident at once (max_blocks_, fused_max_blocks_).
+  constexpr int kSlots = kFused ? kMaxRowChunks : 1;
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
   uint64_t deadline = 0;    // set at the first timer read, so a call whose peers are already there never reads it
-  for (size_t c = first; c < chunks; c += stride) {
-    if (failed) {
-      store_poison(a, c);
-      continue;
+  for (size_t step = kFused ? blockIdx.x : first; step < (kFused ? rows.rows : chunks);
+       step += kFused ? gridDim.x : stride) {
+    uint32_t v[kSlots][4];  // fused: this thread's chunks of the row, the residual, then residual_out
+    float squares = 0;
+    if constexpr (kFused) {
+#pragma unroll
+      for (uint32_t m = 0; m < kSlots; ++m)  // issued before the waits, so their latency hides behind them
+        if (m < rows.split.per_thread && rows.holds(m))
+          load_words(a.norm.residual_in, rows.chunk(step, m) * kChunkBytes, a.bytes, D, v[m]);
     }
-    uint32_t own[4];
-    load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
-    sanitize<D>(own);
-    // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. Indices into `got`
-    // are compile-time constants after unrolling, so the words stay in registers.
-    uint32_t got[W][kWireWords<D>];
-    uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
-    // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
-    // call word before it aborts, and this rank should name that call rather than relay the abort.
-    uint64_t fault = 0;
-    for (int polls = 1;; ++polls) {
+    // Not unrolled: the wait below is emitted once; v[] stays in registers, indexed by constants (epilogue).
+#pragma unroll 1
+    for (uint32_t m = 0; m < (kFused ? rows.split.per_thread : 1); ++m) {
+      if (kFused && !rows.holds(m)) continue;
+      const size_t c = kFused ? rows.chunk(step, m) : step;
+      if (failed) {
+        if (!kFused) store_poison(a.out, c * kChunkBytes, a.bytes, a.dtype);
+        continue;
+      }
+      uint32_t own[4];
+      load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
+      sanitize<D>(own);
+      // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. Indices into
+      // `got` are compile-time constants after unrolling, so the words stay in registers.
+      uint32_t got[W][kWireWords<D>];
+      uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
+      // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
+      // call word before it aborts, and this rank should name that call rather than relay the abort.
+      uint64_t fault = 0;
+      for (int polls = 1;; ++polls) {
+#pragma unroll
+        for (int p = 0; p < W; ++p) {
+          if (!(pending & (1u << p))) continue;
+          // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
+          if (!(calls_seen & (1u << p)) &&
+              (!(a.network & (1u << p)) || load_acquire_sys(&a.mailbox->arrived[buffer][p]) == epoch)) {
+            const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
+            if (theirs == call) {
+              calls_seen |= 1u << p;
+            } else if (theirs != kEmpty && !failed) {  // the peer made a different call: say which
+              record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs, epoch)), epoch);
+              failed = true;
+            }
+          }
+          if ((a.network & (1u << p)) && !(calls_seen & (1u << p))) continue;
+          const bool arrived = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
+          if (arrived && (calls_seen & (1u << p))) pending &= ~(1u << p);
+        }
+        if (failed || pending == 0) break;
+        if (fault != 0) {
+          if (fault != kFaulted) record_fault(a, s, fault, epoch);
+          failed = true;
+          break;
+        }
+        if (polls % kPollsPerClockRead == 0) {
+          const uint64_t now = global_timer_ns();
+          if (deadline == 0) deadline = now + a.timeout_ns;
+          fault = check_waiting(a, s, now, deadline, pending);
+        }
+      }
+      if (failed) {
+        if (!kFused) store_poison(a.out, c * kChunkBytes, a.bytes, a.dtype);
+        continue;
+      }
+      if (c == 0) note(a, epoch, kKernelArrived);
+
+      typename C::Acc acc[C::kElems];
 #pragma unroll
       for (int p = 0; p < W; ++p) {
-        if (!(pending & (1u << p))) continue;
-        // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
-        if (!(calls_seen & (1u << p)) &&
-            (!(a.network & (1u << p)) || load_acquire_sys(&a.mailbox->arrived[buffer][p]) == epoch)) {
-          const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
-          if (theirs == call) {
-            calls_seen |= 1u << p;
-          } else if (theirs != kEmpty && !failed) {  // the peer made a different call: say which
-            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs, epoch)), epoch);
-            failed = true;
-          }
+        if (p >= a.world) continue;
+        uint32_t w[4];
+        if (p == a.rank) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = own[i];
+        } else {
+          payload<D>(got[p], w);
         }
-        if ((a.network & (1u << p)) && !(calls_seen & (1u << p))) continue;
-        const bool arrived = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
-        if (arrived && (calls_seen & (1u << p))) pending &= ~(1u << p);
+        accumulate<D, Op>(acc, w, p == 0);
       }
-      if (failed || pending == 0) break;
-      if (fault != 0) {
-        if (fault != kFaulted) record_fault(a, s, fault, epoch);
-        failed = true;
-        break;
-      }
-      if (polls % kPollsPerClockRead == 0) {
-        const uint64_t now = global_timer_ns();
-        if (deadline == 0) deadline = now + a.timeout_ns;
-        fault = check_waiting(a, s, now, deadline, pending);
-      }
-    }
-    if (failed) {
-      store_poison(a, c);
-      continue;
-    }
-    if (c == 0) note(a, epoch, kKernelArrived);
-
-    typename Chunk<D>::Acc acc[Chunk<D>::kElems];
-#pragma unroll
-    for (int p = 0; p < W; ++p) {
-      if (p >= a.world) continue;
-      uint32_t w[4];
-      if (p == a.rank) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = own[i];
+      uint32_t w[4] = {0, 0, 0, 0};
+      finish<D, Op>(acc, a.world, w);  // the sum, rounded to the dtype
+      if constexpr (!kFused) {
+        store_chunk(a, c, w);
       } else {
-        payload<D>(got[p], w);
+        // residual_out = sum + residual, added in fp32 and rounded; its squares from the rounded values.
+#pragma unroll
+        for (uint32_t slot = 0; slot < kSlots; ++slot) {
+          if (slot != m) continue;
+#pragma unroll
+          for (int i = 0; i < C::kElems; ++i) {
+            C::store(v[slot], i, C::load(w, i) + C::load(v[slot], i));
+            const float x = C::load(v[slot], i);
+            squares += x * x;
+          }
+          store_words(a.norm.residual_out, c * kChunkBytes, a.bytes, D, v[slot]);
+        }
       }
-      accumulate<D, Op>(acc, w, p == 0);
     }
-    uint32_t w[4] = {0, 0, 0, 0};
-    finish<D, Op>(acc, a.world, w);
-    store_chunk(a, c, w);
+    if constexpr (kFused) {
+      // One thread's fault poisons the whole row on every thread of the CTA (residual_out it may have written
+      // included), and the CTA's later rows: no thread waits for anything more.
+      failed = __syncthreads_or(failed);
+      if (!failed) {
+        write_norm<D>(a, rows, step, v, squares);
+        continue;
+      }
+#pragma unroll
+      for (uint32_t m = 0; m < kSlots; ++m) {
+        if (m >= rows.split.per_thread || !rows.holds(m)) continue;
+        store_poison(a.norm.residual_out, rows.chunk(step, m) * kChunkBytes, a.bytes, D);
+        store_poison(a.norm.norm_out, rows.chunk(step, m) * kChunkBytes, a.bytes, D);
+      }
+    }
   }
 
   if (first == 0) note(a, epoch, kKernelEnd);
@@ -392,6 +391,14 @@ LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
   return {int(blocks), kThreads};
 }
 
+// Fused calls: a CTA per row, up to max_blocks (then CTAs take several rows in turn), of the threads that hold
+// the row's chunks (row_split()) rounded up to a whole warp (block_sum()).
+LaunchShape fused_shape(const AllReduceArgs& a, int max_blocks) {
+  const RowSplit split = row_split(uint32_t(a.norm.hidden * dtype_size(a.dtype) / kChunkBytes));
+  const size_t rows = a.count / a.norm.hidden;
+  return {int(std::min<size_t>(rows, size_t(max_blocks))), int((split.threads + 31) / 32 * 32)};
+}
+
 // Calls f.template operator()<W>() with the kernel's world bound for `world` (see the kernel).
 template <typename F>
 void dispatch_world(int world, F&& f) {
@@ -400,19 +407,23 @@ void dispatch_world(int world, F&& f) {
   return f.template operator()<8>();
 }
 
-// CTAs of kThreads that every multiprocessor can hold at once for every kernel a communicator of `world` runs.
+// CTAs of kThreads that every multiprocessor can hold at once for every plain kernel (kFused: every fused
+// kernel) a communicator of `world` runs.
+template <bool kFused>
 int resident_blocks_per_sm(int world) {
   int fewest = kMaxBlocks;
   for (const DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32})
     for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
       if (d == DType::kInt32 && op == ReduceOp::kAvg) continue;
       dispatch_dtype_op(d, op, [&]<DType D, ReduceOp Op>() {
-        dispatch_world(world, [&]<int W>() {
-          int n = 0;
-          ROCENANTE_CHECK_CUDA(
-              cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, oneshot_allreduce_kernel<D, Op, W>, kThreads, 0));
-          fewest = std::min(fewest, n);
-        });
+        if constexpr (!kFused || kFusable<D, Op>) {
+          dispatch_world(world, [&]<int W>() {
+            int n = 0;
+            ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &n, oneshot_allreduce_kernel<D, Op, W, kFused>, kThreads, 0));
+            fewest = std::min(fewest, n);
+          });
+        }
       });
     }
   return fewest;
@@ -427,9 +438,12 @@ class CudaOneshotKernel final : public OneshotKernel {
       ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device_));
       // As many CTAs as fit at once: more loads in flight (at world 2, 4 CTAs per multiprocessor against 1 and 2:
       // 4 MiB bf16 in 16.8 us against 18.7 us at 2, benchmarks/results/h200x2-v2-shape-ab.json). Never more:
-      // every CTA must be resident at once, since a CTA waits for data the peer's CTA of the same index sends,
-      // and the peer's resident CTAs may be waiting for ours in turn.
-      max_blocks_ = std::min(kMaxBlocks, multiprocessors * resident_blocks_per_sm(world));
+      // every CTA must be resident at once, since a CTA waits for data that the peers' CTAs send, and those
+      // may be waiting for ours in turn.
+      max_blocks_ = std::min(kMaxBlocks, multiprocessors * resident_blocks_per_sm<false>(world));
+      // The fused kernels hold a row in registers: they count on their own, so that they never lower the plain
+      // kernel's CTAs. At most max_blocks_, the epoch copies there are.
+      fused_max_blocks_ = std::min(max_blocks_, multiprocessors * resident_blocks_per_sm<true>(world));
       state_.copies = max_blocks_;
       // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers], sent.
       constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 1;
@@ -464,7 +478,8 @@ class CudaOneshotKernel final : public OneshotKernel {
     const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     order_after_previous_call(stream);
     const AllReduceArgs& a = args;
-    const LaunchShape shape = oneshot_shape(a.bytes, max_blocks_);
+    const bool fused = a.norm.hidden != 0;
+    const LaunchShape shape = fused ? fused_shape(a, fused_max_blocks_) : oneshot_shape(a.bytes, max_blocks_);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -476,7 +491,13 @@ class CudaOneshotKernel final : public OneshotKernel {
     config.numAttrs = 1;
     dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() {
       dispatch_world(a.world, [&]<int W>() {
-        ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op, W>, a, state_));
+        if (!fused) {
+          ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op, W, false>, a, state_));
+        } else if constexpr (kFusable<D, Op>) {
+          ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, oneshot_allreduce_kernel<D, Op, W, true>, a, state_));
+        } else {
+          ROCENANTE_THROW(InvalidArgument, "the fused add + RMSNorm serves sums of float dtypes");
+        }
       });
     });
     previous_stream_ = stream;
@@ -586,7 +607,8 @@ class CudaOneshotKernel final : public OneshotKernel {
   }
 
   int device_;
-  int max_blocks_ = 0;  // CTAs of one launch at most; also the number of epoch copies
+  int max_blocks_ = 0;        // CTAs of one launch at most; also the number of epoch copies
+  int fused_max_blocks_ = 0;  // CTAs of one fused launch at most
   DeviceState state_{};
   FaultRecord* host_ = nullptr;  // mapped: state_.record is its device address
   cudaEvent_t order_event_ = nullptr;

@@ -10,12 +10,43 @@
 
 namespace rocenante {
 
+// Most threads per CTA (the kernel's launch bound); small plain calls use fewer, a multiple of a warp.
+constexpr int kThreads = 256;
+
+// The fused add + RMSNorm (AllReduceArgs::norm): a CTA reduces whole rows, and keeps a row in registers until
+// its sum of squares is known; each of its threads holds at most kMaxRowChunks of the row's 16-byte chunks.
+// 8 keeps the row at 32 registers a thread (beside the peers' words of the chunk it waits for: up to 32 at
+// world 8) and takes rows of up to 32 KiB: hidden 16384 in bf16/fp16, 8192 in fp32. Longer rows are not fused.
+constexpr int kMaxRowChunks = 8;
+
+// How a row maps onto a CTA: thread t holds the row's chunks t + m * threads (m < per_thread, within the row).
+struct RowSplit {
+  uint32_t row_chunks;  // 16-byte chunks of a row
+  uint32_t per_thread;  // chunks a thread holds, at most: ceil(row_chunks / kThreads)
+  uint32_t threads;     // threads that hold any: ceil(row_chunks / per_thread), at most kThreads
+};
+ROCENANTE_HD RowSplit row_split(uint32_t row_chunks) {
+  const uint32_t per_thread = (row_chunks + kThreads - 1) / kThreads;
+  return {row_chunks, per_thread, (row_chunks + per_thread - 1) / per_thread};
+}
+
+// Whether the kernel fuses the add + RMSNorm into a call of `count` elements of `dtype` in rows of `hidden`:
+// a float dtype (the op is sum), rows of whole 16-byte chunks within kMaxRowChunks per thread, and one piece
+// (`piece_bytes`: the communicator's). It depends only on what every rank's call shares, never on pointers.
+inline bool fuses_add_rmsnorm(size_t count, size_t hidden, DType dtype, size_t piece_bytes) {
+  const size_t row_bytes = hidden * dtype_size(dtype);
+  return format_of(dtype) == Format::kLamport && hidden > 0 && count > 0 && count % hidden == 0 &&
+         row_bytes % kChunkBytes == 0 && row_bytes <= kThreads * kMaxRowChunks * kChunkBytes &&
+         count * dtype_size(dtype) <= piece_bytes;
+}
+
 class OneshotKernel {
  public:
   virtual ~OneshotKernel() = default;
   // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer), ordered after the
-  // previous call whatever its stream (the caller serialises calls to launch()). True if `stream` is capturing
-  // a graph (the call then runs at each replay).
+  // previous call whatever its stream (the caller serialises calls to launch()); with the add + RMSNorm fused
+  // when args.norm.hidden != 0 (only for calls fuses_add_rmsnorm() accepts). True if `stream` is capturing a
+  // graph (the call then runs at each replay).
   virtual bool launch(const AllReduceArgs& args, uintptr_t stream) = 0;
   // True once everything enqueued on `stream` so far has completed; false while it captures a graph.
   virtual bool stream_done(uintptr_t stream) const = 0;
