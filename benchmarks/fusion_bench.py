@@ -1,18 +1,21 @@
-"""All-reduce + residual add + RMSNorm (FlashInfer's kARResidualRMSNorm) at decode shapes, to decide whether
-fusing the add and the norm into rocenante's kernel is worth it (issue: fuse if that beats all-reduce followed
-by torch's ops by 10% or more at tokens <= 64, hidden 4096-8192).
+"""All-reduce + residual add + RMSNorm (FlashInfer's kARResidualRMSNorm) at decode shapes: the add and the norm
+fused into rocenante's kernel against the all-reduce followed by torch's ops (issue: fuse if that beats the
+latter by 10% or more at tokens <= 64, hidden 4096-8192; benchmarks/results/h200x2-fusion-decision.json).
 
     python benchmarks/fusion_bench.py [--out benchmarks/results/h200x2-fusion.json] [-n RANKS]
 
 Arms, interleaved round after round (as python -m rocenante.bench), each a CUDA graph of `ops` calls:
   rocenante_allreduce             the all-reduce alone (comm.all_reduce into a preallocated output)
-  rocenante_allreduce_rmsnorm     rocenante.flashinfer.allreduce_fusion(kARResidualRMSNorm): all-reduce, then
-                                  the residual add and RMSNorm as torch ops (what ships today)
-  torch_add_rmsnorm               those torch ops alone, no communication: the most a fused kernel can save
+  rocenante_allreduce_rmsnorm     rocenante's all-reduce, then the residual add and RMSNorm as torch ops
+                                  (rocenante.flashinfer.add_rmsnorm: what the plugin runs where it cannot fuse)
+  rocenante_fused                 rocenante.flashinfer.allreduce_fusion(kARResidualRMSNorm): one kernel (the run
+                                  fails if the plugin would not fuse the shape)
+  torch_add_rmsnorm               the torch ops alone, no communication: the most fusing can save
   nccl_allreduce_rmsnorm          NCCL's all-reduce, then the same torch ops
-A fused kernel costs at least rocenante_allreduce, so fusing can gain at most
-torch_add_rmsnorm / rocenante_allreduce_rmsnorm; below 10% it cannot reach the issue's bar. Writes JSON of
-schema rocenante.bench/1 (rows: arm, mode, dtype, bytes, median_us, p10_us, p90_us, tokens, hidden).
+Before timing, each shape's fused outputs are checked against the unfused arm's: residual_out bitwise, norm_out
+within one unit in the last place. Writes JSON of schema rocenante.bench/1 (rows: arm, mode, dtype, bytes,
+median_us, p10_us, p90_us, tokens, hidden) with a summary per shape: the unfused and fused times, the most
+fusing could gain (torch_add_rmsnorm / rocenante_allreduce_rmsnorm) and the gain measured (1 - fused / unfused).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class FusionArm:
         if self.name == "rocenante_allreduce":
             self.ctx["workspace"].allreduce.all_reduce(x, out=y)
         elif self.name == "rocenante_allreduce_rmsnorm":
+            self.ctx["workspace"].allreduce.all_reduce(x, out=y)
+            add_rmsnorm(y, self.residual, self.gamma, EPS, 0.0, self.residual_out, self.norm_out)
+        elif self.name == "rocenante_fused":
             allreduce_fusion(x, self.ctx["workspace"], AllReduceFusionPattern.kARResidualRMSNorm,
                              residual_out=self.residual_out, norm_out=self.norm_out, residual_in=self.residual,
                              rms_gamma=self.gamma, rms_eps=EPS)
@@ -74,6 +80,35 @@ class FusionArm:
 
     def supports(self, nbytes, dtype):
         return None
+
+
+def check_fused(ctx, tokens, hidden, dtype):
+    """The fused call against the all-reduce followed by torch's ops on the same inputs: residual_out bitwise,
+    norm_out within one unit in the last place (fp32: 2^-16 relative; tests/test_gpu_plugins.py says why); and
+    on a GPU the plugin must fuse."""
+    from rocenante.flashinfer import AllReduceFusionPattern, add_rmsnorm, allreduce_fusion
+
+    comm = ctx["workspace"].allreduce._alive()
+    g = torch.Generator(device=ctx["device"]).manual_seed(tokens * 100_003 + hidden)
+    x, residual = (torch.randn(tokens, hidden, generator=g, device=ctx["device"]).to(dtype) for _ in range(2))
+    gamma = torch.randn(hidden, generator=g, device=ctx["device"]).to(dtype)
+    if ctx["device"].type == "cuda" and not comm.fuses_add_rmsnorm(x, gamma):
+        raise RuntimeError(f"the plugin does not fuse tokens {tokens} hidden {hidden} {dtype}")
+    fused_r, fused_n, r, n = (torch.empty_like(x) for _ in range(4))
+    allreduce_fusion(x, ctx["workspace"], AllReduceFusionPattern.kARResidualRMSNorm, residual_out=fused_r,
+                     norm_out=fused_n, residual_in=residual, rms_gamma=gamma, rms_eps=EPS)
+    add_rmsnorm(comm.all_reduce(x), residual, gamma, EPS, 0.0, r, n)
+    if ctx["device"].type == "cuda":
+        torch.cuda.synchronize()
+    a, b = fused_n.double(), n.double()
+    magnitude = torch.maximum(a.abs(), b.abs())
+    if dtype == torch.float32:
+        bound = magnitude * 2.0**-16
+    else:
+        mantissa = {torch.float16: 10, torch.bfloat16: 7}[dtype]
+        bound = torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(2.0**-14))) - mantissa)
+    if not torch.equal(fused_r, r) or not bool(((a - b).abs() <= bound).all()):
+        raise RuntimeError(f"fused and unfused outputs differ at tokens {tokens} hidden {hidden} {dtype}")
 
 
 def worker(store, rank, world, cfg):
@@ -97,6 +132,8 @@ def worker(store, rank, world, cfg):
     rows = []
     for hidden in cfg["hiddens"]:
         for tokens in cfg["tokens"]:
+            if "rocenante_fused" in cfg["arms"]:
+                check_fused(ctx, tokens, hidden, dtype)
             live = []
             for arm in arms:
                 arm.hidden = hidden
@@ -134,16 +171,19 @@ def worker(store, rank, world, cfg):
 
 
 def summarize(rows):
-    """Per (hidden, tokens): the most fusing could gain, torch_add_rmsnorm / rocenante_allreduce_rmsnorm."""
+    """Per (hidden, tokens): the most fusing could gain, torch_add_rmsnorm / rocenante_allreduce_rmsnorm, and
+    the gain the fused kernel measured, 1 - rocenante_fused / rocenante_allreduce_rmsnorm."""
     by = {(r["hidden"], r["tokens"], r["arm"]): r["median_us"] for r in rows}
     out = []
     for hidden, tokens in sorted({(r["hidden"], r["tokens"]) for r in rows}):
         unfused = by.get((hidden, tokens, "rocenante_allreduce_rmsnorm"))
         ops = by.get((hidden, tokens, "torch_add_rmsnorm"))
-        if unfused and ops:
+        fused = by.get((hidden, tokens, "rocenante_fused"))
+        if unfused:
             out.append({"hidden": hidden, "tokens": tokens, "unfused_us": unfused, "torch_ops_us": ops,
-                        "allreduce_us": by.get((hidden, tokens, "rocenante_allreduce")),
-                        "max_fusion_gain": ops / unfused})
+                        "allreduce_us": by.get((hidden, tokens, "rocenante_allreduce")), "fused_us": fused,
+                        "max_fusion_gain": ops / unfused if ops else None,
+                        "fusion_gain": 1 - fused / unfused if fused else None})
     return out
 
 
@@ -161,8 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--hiddens", default=",".join(map(str, HIDDENS)))
-    p.add_argument("--arms", default="rocenante_allreduce,rocenante_allreduce_rmsnorm,torch_add_rmsnorm,"
-                                      "nccl_allreduce_rmsnorm")
+    p.add_argument("--arms", default="rocenante_allreduce,rocenante_allreduce_rmsnorm,rocenante_fused,"
+                                      "torch_add_rmsnorm,nccl_allreduce_rmsnorm")
     a = p.parse_args(argv)
     world = a.ranks or (torch.cuda.device_count() if a.device == "cuda" else 2)
     if world < 2 or (a.device == "cuda" and world > torch.cuda.device_count()):
@@ -180,10 +220,13 @@ def main(argv=None) -> int:
               "config": cfg, "rows": results[0], "summary": summarize(results[0])}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     report.write_json(result, a.out)
-    print(f"\n{'hidden':>6} {'tokens':>6} {'allreduce':>10} {'unfused':>9} {'torch ops':>10} {'max gain':>9}")
+    nan = float("nan")
+    print(f"\n{'hidden':>6} {'tokens':>6} {'allreduce':>10} {'unfused':>9} {'fused':>9} {'torch ops':>10} "
+          f"{'max gain':>9} {'gain':>7}")
     for s in result["summary"]:
-        print(f"{s['hidden']:>6} {s['tokens']:>6} {s['allreduce_us'] or float('nan'):>10.2f} {s['unfused_us']:>9.2f} "
-              f"{s['torch_ops_us']:>10.2f} {s['max_fusion_gain']:>8.1%}")
+        print(f"{s['hidden']:>6} {s['tokens']:>6} {s['allreduce_us'] or nan:>10.2f} {s['unfused_us']:>9.2f} "
+              f"{s['fused_us'] or nan:>9.2f} {s['torch_ops_us'] or nan:>10.2f} {s['max_fusion_gain'] or nan:>8.1%} "
+              f"{s['fusion_gain'] if s['fusion_gain'] is not None else nan:>6.1%}")
     print(f"wrote {a.out}")
     return 0
 

@@ -161,9 +161,17 @@ def _refusals(store, rank, world):
                           ({"pattern": 1, "residual_in": x, "rms_gamma": torch.ones(63)}, "rms_gamma must have")]:
         with pytest.raises(ValueError, match=named):
             allreduce_fusion(x, ws, **kwargs)
+    # The fused kernel is for GPUs: on CPU the plugin runs the all-reduce and torch's ops (above), and asking
+    # the communicator for the fused call directly is refused alike on every rank.
+    comm = ws.allreduce._alive()
+    assert not comm.fuses_add_rmsnorm(x, torch.ones(64))
+    with pytest.raises(ValueError, match="all_reduce_add_rmsnorm does not serve"):
+        comm.all_reduce_add_rmsnorm(x, x, torch.ones(64))
     # Every refusal above happens before the all-reduce: the communicator is still usable.
     assert torch.equal(allreduce_fusion(x, ws, P.kAllReduce), torch.full_like(x, world))
     ws.destroy()
+    with pytest.raises(rocenante.ClosedError):
+        comm.all_reduce_add_rmsnorm(x, x, torch.ones(64))
     # world_size= / rank= that are not the group's, on one rank: every rank raises, naming it.
     try:
         create_allreduce_fusion_workspace("rocenante", world, rank if rank == 0 else 5, 8, 64, torch.float32,

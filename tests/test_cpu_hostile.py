@@ -39,7 +39,7 @@ def pair():
 
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
-    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC3" travels as b"3COR"
+    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC4" travels as b"4COR"
 
 
 def _refused(me, theirs: bytes, words: str = "") -> str:
@@ -53,7 +53,7 @@ def _refused(me, theirs: bytes, words: str = "") -> str:
 
 def test_another_version_is_named_as_such(pair):
     me, theirs = pair
-    _refused(me, _with_magic(theirs, b"ROC1"), "rank 1 runs another rocenante version (protocol ROC1, this rank ROC3)")
+    _refused(me, _with_magic(theirs, b"ROC1"), "rank 1 runs another rocenante version (protocol ROC1, this rank ROC4)")
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,13 @@ def test_words_placed_in_random_order_are_reduced_only_once_all_arrived(dtype):
         peer.close()
 
 
-def test_data_before_a_different_call_word_is_never_reduced():
+@pytest.mark.parametrize("theirs, words", [
+    (dict(op=_C.ReduceOp.max), "op max"),
+    # A call fused with the residual add and RMSNorm exchanges the same data as a plain sum: only the call word
+    # tells them apart (csrc/layout.h), and it must.
+    (dict(op=_C.ReduceOp.sum, fused=True), "op sum, fused with the residual add and RMSNorm"),
+], ids=["op-max", "fused"])
+def test_data_before_a_different_call_word_is_never_reduced(theirs, words):
     # The peer's words all arrive first, then its call word says it makes another call of the same byte count:
     # rank 0 must report the mismatch and leave every output element poisoned (NaN), none summed.
     numel = 3001
@@ -144,11 +150,12 @@ def test_data_before_a_different_call_word_is_never_reduced():
         for store in stores:
             peer.store(*store)
         time.sleep(0.05)
-        peer.words[peer.call_word_index()] = _C.wire.call_word(numel, _C.DType.float32, _C.ReduceOp.max, EPOCH)
+        peer.words[peer.call_word_index()] = _C.wire.call_word(numel, _C.DType.float32, epoch=EPOCH, **theirs)
         thread.join(timeout=30)
         assert not thread.is_alive()
         assert isinstance(outcome.get("error"), rocenante.CallMismatchError), outcome
-        assert "op max" in str(outcome["error"]), str(outcome["error"])
+        assert f"rank 1 called all_reduce with {numel} x float32 ({words})" in str(outcome["error"]), \
+            str(outcome["error"])
         assert torch.isnan(out).all(), "an output element was written for a call the peer did not make"
     finally:
         peer.close()

@@ -1,12 +1,14 @@
 """The serving-engine plugins on 2 GPUs, without FlashInfer or vLLM installed (the GPU machine has neither):
-rocenante.flashinfer's workspace face and both fusion patterns against the float64 reference, a CUDA graph
-around a transformer-like block that calls the plugin, and vLLM's graph_capture() driving our communicator
-(through a stand-in of vLLM's modules). A comparison with FlashInfer's own kernel runs only where FlashInfer
-is installed."""
+rocenante.flashinfer's workspace face and both fusion patterns against the float64 reference, the add and
+RMSNorm fused into the kernel (against the reference, against the all-reduce followed by torch's ops, in place,
+and when a call fails), a CUDA graph around a transformer-like block that calls the plugin, and vLLM's
+graph_capture() driving our communicator (through a stand-in of vLLM's modules). A comparison with FlashInfer's
+own kernel runs only where FlashInfer is installed."""
 
 from __future__ import annotations
 
 import sys
+import time
 import types
 
 import pytest
@@ -77,10 +79,157 @@ def test_workspace_face_and_both_patterns_against_float64():
     assert a == b  # every output bitwise identical on both ranks
 
 
+# Decode shapes; hidden 4098 has rows of 8196 bytes in bf16/fp16 and 16392 in fp32, not whole 16-byte chunks,
+# so the plugin keeps the all-reduce followed by torch's ops there.
+FUSED_SHAPES = [(tokens, hidden) for tokens in (1, 7, 64) for hidden in (4096, 8192, 4098)]
+_MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def _check_close_to_unfused(fused: torch.Tensor, unfused: torch.Tensor, what: str) -> None:
+    """norm_out fused vs the all-reduce followed by torch's ops. Both compute the same fp32 expression from the
+    same rounded residual_out, except that they add the row's squares in another order: the sums differ by
+    less than ~50 roundings of 2^-24 relative (at most 32 sequential adds per thread, then 13 tree levels;
+    torch's reduction is of the same depth), so the fp32 norms differ by < 2^-16 relative, and a 16-bit type
+    rounds two values that close to the same or adjacent values: at most 1 unit in the last place apart."""
+    a, b = fused.double().cpu(), unfused.double().cpu()
+    assert not torch.isnan(a).any(), f"{what}: fused norm_out has NaN (unwritten)"
+    magnitude = torch.maximum(a.abs(), b.abs())
+    if fused.dtype == torch.float32:
+        bound = magnitude * 2.0**-16
+    else:
+        exponent = torch.floor(torch.log2(magnitude.clamp_min(2.0**-14)))  # fp16's smallest normal exponent
+        bound = torch.exp2(exponent - _MANTISSA_BITS[fused.dtype])  # one unit in the last place
+    worst = ((a - b).abs() / bound).max().item()
+    assert worst <= 1.0, f"{what}: fused norm_out is {worst:.2f}x the bound away from the unfused path's"
+
+
+def _fused(store, rank, world):
+    from rocenante.flashinfer import AllReduceFusionPattern as P
+    from rocenante.flashinfer import add_rmsnorm, allreduce_fusion, create_allreduce_fusion_workspace
+
+    group = _init(store, rank, world)
+    dev = torch.device("cuda", rank)
+    ws = create_allreduce_fusion_workspace("rocenante", world, rank, 64, 8192, torch.float32, group=group)
+    comm = ws.allreduce._alive()
+    digests = []
+    for case, (dtype, (tokens, hidden)) in enumerate((d, shape) for d in DTYPES for shape in FUSED_SHAPES):
+        what, n, weight_bias = f"{dtype} {tokens}x{hidden}", tokens * hidden, float(case % 2)
+        xs = [make_input(50, case, r, n, dtype, dev).view(tokens, hidden) for r in range(world)]
+        residual = make_input(51, case, 0, n, dtype, dev).view(tokens, hidden)
+        gamma = make_input(52, case, 0, hidden, dtype, dev)
+        assert comm.fuses_add_rmsnorm(xs[rank], gamma) == (hidden != 4098), what
+        residual_out, norm_out = poison(torch.empty_like(xs[rank])), poison(torch.empty_like(xs[rank]))
+        allreduce_fusion(xs[rank], ws, P.kARResidualRMSNorm, residual_out=residual_out, norm_out=norm_out,
+                         residual_in=residual, rms_gamma=gamma, rms_eps=1e-6, weight_bias=weight_bias)
+        # The unfused path on the same inputs: rocenante's all-reduce, then torch's ops.
+        unfused_r, unfused_n = poison(torch.empty_like(xs[rank])), poison(torch.empty_like(xs[rank]))
+        add_rmsnorm(comm.all_reduce(xs[rank]), residual, gamma, 1e-6, weight_bias, unfused_r, unfused_n)
+        torch.cuda.synchronize()
+        r64, r_scale, norm64, norm_scale = add_rmsnorm_float64(xs, residual, gamma, 1e-6, weight_bias)
+        check_within(residual_out, r64, r_scale, f"residual_out {what}")
+        check_within(norm_out, norm64, norm_scale, f"norm_out {what}")
+        assert torch.equal(residual_out, unfused_r), f"residual_out {what}: fused and unfused differ"
+        _check_close_to_unfused(norm_out, unfused_n, f"norm_out {what}")
+        digests += [digest(residual_out), digest(norm_out)]
+        if tokens == 64:
+            # In place, as serving engines call it: residual_out is residual_in, and here norm_out the input.
+            res, x = residual.clone(), xs[rank].clone()
+            allreduce_fusion(x, ws, P.kARResidualRMSNorm, residual_out=res, norm_out=x, residual_in=res,
+                             rms_gamma=gamma, rms_eps=1e-6, weight_bias=weight_bias)
+            torch.cuda.synchronize()
+            assert torch.equal(res, residual_out) and torch.equal(x, norm_out), f"in place {what}"
+    ws.destroy()
+    return digests
+
+
+def test_fused_add_rmsnorm_against_float64_and_the_unfused_path():
+    a, b = expect_ok(run_ranks(2, _fused, timeout=600))
+    assert a == b  # every output bitwise identical on both ranks
+
+
+def _fused_fault(store, rank, world, how):
+    """Rank 0 makes a fused call that fails: rank 1 never calls (a timeout) or makes the plain all-reduce of the
+    same size instead (a mismatch the call word reveals). Rank 0's residual_out and norm_out must come back
+    poisoned (NaN), and so must a replay of a graph captured around a fused call before the fault."""
+    import rocenante
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    comm = rocenante.Communicator(store, rank, world, device=dev, capacity_bytes=1 << 20, timeout_s=2.0)
+    tokens, hidden, dtype = 7, 4096, torch.bfloat16
+    x = make_input(60, 0, rank, tokens * hidden, dtype, dev).view(tokens, hidden)
+    residual = make_input(61, 0, 0, tokens * hidden, dtype, dev).view(tokens, hidden)
+    gamma = make_input(62, 0, 0, hidden, dtype, dev)
+    assert comm.fuses_add_rmsnorm(x, gamma)
+    good_r, good_n = comm.all_reduce_add_rmsnorm(x, residual, gamma)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        comm.all_reduce_add_rmsnorm(x, residual, gamma)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_r, graph_n = comm.all_reduce_add_rmsnorm(x, residual, gamma)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.isnan(good_r).any() and not torch.isnan(good_n).any()
+    assert torch.equal(graph_r, good_r) and torch.equal(graph_n, good_n), "the replay differs from the eager call"
+    if rank == 1:
+        outcome = None
+        if how == "plain":
+            out = comm.all_reduce(x)
+            try:
+                comm.synchronize()
+            except rocenante.RocenanteError as err:
+                outcome = (type(err).__name__, str(err), bool(torch.isnan(out).all()))
+        store.wait(["rank0-done"])
+        del graph
+        comm.close()
+        return outcome
+    residual_out, norm_out = torch.zeros_like(x), torch.zeros_like(x)
+    start = time.monotonic()
+    comm.all_reduce_add_rmsnorm(x, residual, gamma, residual_out=residual_out, norm_out=norm_out)
+    try:
+        comm.synchronize()
+        raise AssertionError("the fused call completed")
+    except rocenante.RocenanteError as err:
+        outcome = (type(err).__name__, str(err), time.monotonic() - start)
+    assert torch.isnan(residual_out).all() and torch.isnan(norm_out).all(), "an output of the failed call is not poisoned"
+    graph_r.zero_()
+    graph_n.zero_()
+    graph.replay()  # the kernel finds the fault recorded: it computes nothing and poisons both outputs
+    torch.cuda.synchronize()
+    assert torch.isnan(graph_r).all() and torch.isnan(graph_n).all(), "a replay after the fault is not poisoned"
+    with pytest.raises(rocenante.RocenanteError):
+        comm.all_reduce_add_rmsnorm(x, residual, gamma)
+    store.set("rank0-done", "1")
+    del graph
+    comm.close()
+    return outcome
+
+
+@pytest.mark.parametrize("how", ["absent", "plain"])
+def test_a_failed_fused_call_poisons_residual_out_and_norm_out(how):
+    rank0, rank1 = expect_ok(run_ranks(2, _fused_fault, how, timeout=300))
+    kind, message, seconds = rank0
+    count = 7 * 4096
+    if how == "absent":
+        assert kind == "PeerTimeoutError" and "timed out after 2 s waiting for rank(s) 1" in message, message
+        assert seconds < 2.0 + 1.5, f"the timeout took {seconds:.2f} s"
+        assert rank1 is None
+    else:
+        assert kind == "CallMismatchError", message
+        assert f"rank 1 called all_reduce with {count} x bfloat16 (op sum);" in message, message
+        kind1, message1, poisoned1 = rank1
+        assert kind1 == "CallMismatchError" and poisoned1, rank1
+        assert f"rank 0 called all_reduce with {count} x bfloat16 (op sum, fused with the residual add and " \
+               "RMSNorm)" in message1, message1
+
+
 def _block(store, rank, world):
     """A transformer-like block, tensor-parallel over the ranks (column- then row-parallel linear layers; the
-    all-reduce fused with the residual add and RMSNorm, as vLLM's fusion pass emits it; a plain all-reduce at
-    the end), captured in a CUDA graph and replayed with new inputs. After each replay, every captured plugin
+    all-reduce fused with the residual add and RMSNorm, as vLLM's fusion pass emits it, in rocenante's kernel; a
+    plain all-reduce at the end), captured in a CUDA graph and replayed with new inputs. After each replay, every captured plugin
     call is checked against the same call made eagerly on the replay's own inputs (bitwise) and against the
     float64 reference computed from every rank's inputs."""
     import torch.distributed as dist
@@ -98,6 +247,7 @@ def _block(store, rank, world):
     ws = create_allreduce_fusion_workspace("rocenante", world, rank, tokens, hidden, dtype, group=group)
     static_h = torch.empty(tokens, hidden, device=dev, dtype=dtype)
     static_res = torch.empty_like(static_h)
+    assert ws.allreduce._alive().fuses_add_rmsnorm(static_h, gamma[0])  # the graph replays the fused kernel
 
     def block(h, residual):
         """Returns every plugin call's (input, residual_in, residual_out, norm_out), then the last call's."""

@@ -19,6 +19,7 @@ _DTYPES = {
     torch.bfloat16: _C.DType.bfloat16,
     torch.int32: _C.DType.int32,
 }
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _OPS = {
     "sum": _C.ReduceOp.sum,
     "avg": _C.ReduceOp.avg,
@@ -38,6 +39,12 @@ def _public_current_stream(device_index: int) -> int:
 # The current CUDA stream of a device as an integer. CUDA builds of torch have a private accessor (the one its
 # compiler's generated code calls) that skips building a torch.cuda.Stream object on every call.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _public_current_stream)
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
 
 
 def _lookup_op(op) -> "_C.ReduceOp":
@@ -307,6 +314,49 @@ class Communicator:
         if not out.is_contiguous():
             self._refuse("a non-contiguous out (out must be contiguous)")
         return out
+
+    def fuses_add_rmsnorm(self, x, gamma) -> bool:
+        """Whether :meth:`all_reduce_add_rmsnorm` serves ``x`` (rows of ``x.shape[-1]`` elements) with ``gamma``:
+        a CUDA communicator, ``x`` of float32, float16 or bfloat16 in rows of a multiple of 16 bytes and at most
+        32 KiB, the whole call within ``capacity_bytes``, and ``gamma`` of ``x``'s dtype. Every rank of a
+        tensor-parallel group gets the same answer (it depends on shapes and dtypes only)."""
+        return (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES and x.dim() > 0
+                and isinstance(gamma, torch.Tensor) and gamma.dtype == x.dtype
+                and self._c.fuses_add_rmsnorm(x.numel(), x.shape[-1], _DTYPES[x.dtype]))
+
+    def all_reduce_add_rmsnorm(self, x, residual_in, gamma, eps: float = 1e-6, weight_bias: float = 0.0,
+                               residual_out=None, norm_out=None):
+        """FlashInfer's kARResidualRMSNorm in one kernel: ``residual_out = sum over ranks of x + residual_in``
+        and ``norm_out = residual_out * rsqrt(mean(residual_out ** 2, -1) + eps) * (weight_bias + gamma)``;
+        returns ``(residual_out, norm_out)`` (allocated if None; either may be ``x`` or ``residual_in``, or the
+        other output). The sum itself is not kept. Rounding as the all-reduce followed by torch's ops: the sum
+        rounded to the dtype, the add in fp32 rounded, the norm in fp32 from the rounded residual_out.
+
+        For what :meth:`fuses_add_rmsnorm` accepts (a call it refuses raises ValueError alike on every rank,
+        and the communicator stays usable). Every rank must make this same fused call; a rank that runs a plain
+        all-reduce instead makes every rank's call fail naming it. Tensors that do not match ``x`` (device,
+        shape, dtype, contiguity, overlaps) are refused as in :meth:`all_reduce`: the communicator faults.
+        """
+        if self._c.closed:
+            self._c.check()  # a faulted communicator raises its fault
+            raise _C.ClosedError("communicator is closed")
+        if not self.fuses_add_rmsnorm(x, gamma):
+            raise ValueError(f"all_reduce_add_rmsnorm does not serve {_describe(x)} with gamma {_describe(gamma)} "
+                             "(see fuses_add_rmsnorm)")
+        hidden = x.shape[-1]
+        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        norm_out = torch.empty_like(x) if norm_out is None else norm_out
+        for name, t, shape in (("input", x, x.shape), ("residual_in", residual_in, x.shape),
+                               ("residual_out", residual_out, x.shape), ("norm_out", norm_out, x.shape),
+                               ("gamma", gamma, (hidden,))):
+            if not isinstance(t, torch.Tensor) or t.device != self.device or t.dtype != x.dtype \
+                    or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+                self._refuse(f"{name} {_describe(t)}: it must be a contiguous {x.dtype} tensor of shape "
+                             f"{tuple(shape)} on {self.device}")
+        self._c.all_reduce_add_rmsnorm(x.data_ptr(), residual_in.data_ptr(), gamma.data_ptr(),
+                                       residual_out.data_ptr(), norm_out.data_ptr(), x.numel(), hidden,
+                                       _DTYPES[x.dtype], float(eps), float(weight_bias), self.current_stream())
+        return residual_out, norm_out
 
     def _refuse(self, why: str):
         """Raises ValueError for a call only this rank refuses; the communicator faults and tells its peers

@@ -40,7 +40,7 @@ def area_offset(buffer: int, receiver: int, source: int) -> int:
 
 
 def call_word() -> int:
-    signature = (COUNT << 5) | (0 << 3) | (0 << 1)  # float32, sum
+    signature = ((COUNT - 1) << 5) | (0 << 3) | (0 << 1)  # count - 1, float32, sum, not fused (csrc/layout.h)
     return (signature ^ (EPOCH << 1)) | 1
 
 
@@ -83,7 +83,7 @@ def _pyverbs_rank(store, mtu_drop):
 
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
     store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
-    config = struct.pack("<IIQiI", 0x524F4333, WORLD, CAPACITY, 0, 0)  # "ROC3", world, capacity, CPU, padding
+    config = struct.pack("<IIQiI", 0x524F4334, WORLD, CAPACITY, 0, 0)  # "ROC4", world, capacity, CPU, padding
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
     gid = bytes.fromhex(path.gid.replace(":", ""))
     endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, mtu_code)

@@ -1,7 +1,8 @@
 """FlashInfer's unified all-reduce fusion pair, create_allreduce_fusion_workspace and allreduce_fusion, with its
 names, keywords and defaults (flashinfer-python 0.7.4, flashinfer/comm/allreduce.py), serving
 backend="rocenante". Patterns kAllReduce and kARResidualRMSNorm run on rocenante: the all-reduce, then the
-residual add and RMSNorm as torch ops with the semantics of FlashInfer's TRT-LLM kernel. Every other backend
+residual add and RMSNorm fused into rocenante's kernel where it serves the shape (else the all-reduce followed
+by torch ops), with the semantics of FlashInfer's TRT-LLM kernel. Every other backend
 goes to FlashInfer when it is installed (logged once); without it, asking for one raises an error naming it.
 """
 
@@ -186,6 +187,11 @@ def allreduce_fusion(
       as in FlashInfer); returns ``norm_out``. As FlashInfer's TRT-LLM kernel computes it: the all-reduce is
       rounded to the input's dtype, the residual added in fp32 and rounded, and the norm computed in fp32 from
       the rounded ``residual_out``: ``r * rsqrt(mean(r^2) + rms_eps) * (weight_bias + gamma)``, rounded once.
+      On a GPU, when ``Communicator.fuses_add_rmsnorm`` accepts the shape (float dtypes, rows of a multiple of
+      16 bytes up to 32 KiB, ``rms_gamma`` of the input's dtype: decided by shapes and dtypes, so alike on every
+      rank), all of it runs in rocenante's one kernel; otherwise as the all-reduce followed by torch ops. Both
+      give the same ``residual_out`` bits; ``norm_out`` may differ in the last bit (the sums of squares are
+      added in another order).
 
     Accepted and without effect here: ``launch_with_pdl`` and ``trigger_completion_at_end`` (rocenante's
     kernel always waits for its predecessor's writes and completes at its end), ``use_oneshot`` (always
@@ -232,6 +238,11 @@ def allreduce_fusion(
         residual_out = torch.empty_like(input)
     if norm_out is None:
         norm_out = torch.empty_like(input)
+    # One kernel where the communicator fuses the shape (the same answer on every rank).
+    gamma = rms_gamma.contiguous()
+    if comm.supports(input) and comm._alive().fuses_add_rmsnorm(input, gamma):
+        comm._alive().all_reduce_add_rmsnorm(input, residual_in, gamma, rms_eps, weight_bias, residual_out, norm_out)
+        return norm_out
     # The all-reduce lands in residual_out, unless that would overwrite residual_in before it is read.
     summed = residual_out if not _overlaps(residual_out, residual_in) else torch.empty_like(input)
     comm.all_reduce(input, out=summed)
