@@ -190,8 +190,8 @@ def allreduce_fusion(
       On a GPU, when ``Communicator.fuses_add_rmsnorm`` accepts the shape (float dtypes, rows of a multiple of
       16 bytes up to 32 KiB, ``rms_gamma`` of the input's dtype: decided by shapes and dtypes, so alike on every
       rank), all of it runs in rocenante's one kernel; otherwise as the all-reduce followed by torch ops. Both
-      give the same ``residual_out`` bits; ``norm_out`` may differ in the last bit (the sums of squares are
-      added in another order).
+      give the same ``residual_out`` bits; ``norm_out`` may differ by one unit in the last place in bf16/fp16,
+      by less than 2^-16 relative in fp32 (the row's squares are added in another order).
 
     Accepted and without effect here: ``launch_with_pdl`` and ``trigger_completion_at_end`` (rocenante's
     kernel always waits for its predecessor's writes and completes at its end), ``use_oneshot`` (always
