@@ -16,17 +16,16 @@
 // Network peers (RDMA, the TCP wire: AllReduceArgs::network) are served by the same loop: the push goes into this
 // rank's image of their regions in pinned host memory, the last CTA to finish its stores rings the proxy's
 // doorbell, and a thread reads a network peer's call word and chunks only after that peer's arrival word says
-// its delivery of this call is whole (layout.h, Mailbox). Direct peers and network peers can sit side by side.
+// its delivery of this call is whole (layout.h, Mailbox). The kernel serves direct and network peers side by
+// side; the communicator does not build such mixed communicators yet.
 //
 // No CTA waits for another CTA and no thread waits for anything but its own chunks and the call words, so there
 // is no barrier round (the doorbell's counter only counts CTAs that are done storing; none waits on it; a fused
-// row's barrier joins only the threads of one CTA). A thread that waits past the timeout, sees a call mismatch or reads an abort word records
-// the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
+// row's barrier joins only the threads of one CTA). A thread that waits past the timeout, sees a call mismatch
+// or reads an abort word records the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
 // computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
 // INT32_MIN), never a stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
 // norm_out alike).
-#include <time.h>
-
 #include <algorithm>
 #include <optional>
 #include <vector>
@@ -34,6 +33,7 @@
 #include "../chunk_reduce.h"
 #include "../cuda_check.h"
 #include "chunk_io.cuh"
+#include "clock_offset.h"
 #include "oneshot_kernel.h"
 #include "row_norm.cuh"
 #include "wire.cuh"
@@ -347,35 +347,6 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     store_relaxed(&s.epochs[j], next_epoch(epoch));
 }
 
-#ifdef ROCENANTE_TIMELINE
-// Clock calibration (clock_offset_ns()): the host writes a sequence number, the GPU answers with its
-// %globaltimer and the same number, in mapped host memory.
-struct ClockPing {
-  uint32_t host_seq;
-  uint32_t gpu_seq;
-  uint64_t gpu_time;
-};
-constexpr uint32_t kClockPings = 200;
-constexpr uint32_t kClockStop = 0xFFFFFFFFu;
-
-__global__ void clock_ping_kernel(ClockPing* ping) {
-  volatile ClockPing* p = ping;
-  for (uint32_t i = 1; i <= kClockPings; ++i) {
-    uint32_t seen;
-    while ((seen = p->host_seq) != i && seen != kClockStop) {}
-    if (seen == kClockStop) return;
-    p->gpu_time = global_timer_ns();
-    __threadfence_system();
-    p->gpu_seq = i;
-  }
-}
-
-int64_t realtime_ns() {
-  timespec t{};
-  clock_gettime(CLOCK_REALTIME, &t);
-  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
-}
-#endif
 
 struct LaunchShape {
   int blocks;
@@ -535,42 +506,7 @@ class CudaOneshotKernel final : public OneshotKernel {
   }
 
 #ifdef ROCENANTE_TIMELINE
-  int64_t clock_offset_ns() override {
-    DeviceGuard guard(device_);
-    ClockPing* ping = nullptr;
-    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&ping), sizeof(ClockPing), cudaHostAllocMapped));
-    *ping = ClockPing{};
-    ClockPing* mapped = nullptr;
-    cudaStream_t stream = nullptr;
-    int64_t best_round_trip = INT64_MAX, offset = 0;
-    const int64_t deadline = realtime_ns() + 10'000'000'000;  // a kernel that never starts must not hang us
-    try {
-      ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped), ping, 0));
-      ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-      clock_ping_kernel<<<1, 1, 0, stream>>>(mapped);
-      ROCENANTE_CHECK_CUDA(cudaGetLastError());
-      for (uint32_t i = 1; i <= kClockPings; ++i) {
-        const int64_t sent = realtime_ns();
-        __atomic_store_n(&ping->host_seq, i, __ATOMIC_RELEASE);
-        while (__atomic_load_n(&ping->gpu_seq, __ATOMIC_ACQUIRE) != i)
-          if (realtime_ns() > deadline) ROCENANTE_THROW(Error, "clock calibration: the GPU did not answer within 10 s");
-        const int64_t back = realtime_ns();
-        if (back - sent < best_round_trip) {  // the fastest round trip bounds the offset best
-          best_round_trip = back - sent;
-          offset = int64_t(__atomic_load_n(&ping->gpu_time, __ATOMIC_RELAXED)) - (sent + back) / 2;
-        }
-      }
-    } catch (...) {
-      __atomic_store_n(&ping->host_seq, kClockStop, __ATOMIC_RELEASE);
-      if (stream != nullptr) cudaStreamSynchronize(stream), cudaStreamDestroy(stream);
-      cudaFreeHost(ping);
-      throw;
-    }
-    ROCENANTE_CHECK_CUDA(cudaStreamSynchronize(stream));
-    cudaStreamDestroy(stream);
-    cudaFreeHost(ping);
-    return offset;
-  }
+  int64_t clock_offset_ns() override { return measure_clock_offset_ns(device_); }
 #endif
 
   FaultRecord fault() const override {
