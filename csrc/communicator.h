@@ -1,5 +1,6 @@
-// A group of `world` ranks on one host that all-reduce with the one-shot protocol.
-// CPU tensors go through shared memory and the host loop; GPU tensors through CUDA IPC and the kernel.
+// A group of `world` ranks that all-reduce with the one-shot protocol. CPU tensors are reduced by the host loop,
+// GPU tensors by the kernel; peers are reached directly (shared memory, CUDA IPC: one host) or through a network
+// wire driven by a proxy thread (RDMA, the TCP software wire).
 // The communicator itself is torch-free: raw pointers, dtype enums, streams as integers.
 #pragma once
 

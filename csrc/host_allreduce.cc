@@ -1,4 +1,5 @@
-// One-shot all-reduce between processes of one host, on the CPU: the protocol of layout.h run by one thread.
+// One-shot all-reduce of CPU tensors: the protocol of layout.h run by one thread (peers on this host through
+// shared memory, network peers through the proxy's mailbox).
 //   1. push:  write the call word, then our input (Lamport: sanitized; int32: as lines) into our area of this
 //             call's buffer in every peer's region (network peers: in our image of it, then ring the proxy's
 //             doorbell, layout.h's Mailbox);

@@ -48,7 +48,7 @@
 // What the protocol does NOT get from RDMA: atomicity of any word while a write lands (SoftRoCE under an
 // emulated CPU places byte by byte, and the IB specification promises nothing for RDMA WRITE placement), and
 // any order between writes of one call. Point 4 is why neither is needed here; a GPU polling RDMA-written words
-// directly (RDMA part 2/2) has to get them from somewhere else.
+// directly has to get them from somewhere else: the proxy's arrival word (layout.h, Mailbox) is that.
 // SoftRoCE (rxe) places data in order in software: tests on it cannot falsify an ordering assumption.
 #include <dlfcn.h>
 #include <infiniband/verbs.h>

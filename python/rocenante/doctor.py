@@ -155,7 +155,7 @@ def _gpu(report: Report) -> None:
             values[what] = v.value if cuda.cuDeviceGetAttribute(ctypes.byref(v), code, dev) == 0 else "unknown"
         report.say(f"GPU {i}: {name.value.decode()}: " + ", ".join(f"{k} {v}" for k, v in values.items()))
         if values["GPUDirect RDMA"] != 1:
-            report.say(f"  GPU {i}: no GPUDirect RDMA: GPU tensors will be staged through host memory (RDMA part 2/2)")
+            report.say(f"  GPU {i}: no GPUDirect RDMA: GPU tensors are staged through pinned host memory")
 
 
 def _disagreements(summaries: list[dict]) -> list[str]:
