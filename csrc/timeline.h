@@ -5,6 +5,8 @@
 // A slot is overwritten kTimelineSlots calls later; events of a call that did not happen stay 0.
 #pragma once
 
+#include <time.h>
+
 #include <cstdint>
 
 namespace rocenante {
@@ -30,5 +32,12 @@ constexpr int kTimelineSlots = 4096;  // calls kept; call (epoch) e is in slot e
 struct Timeline {
   uint64_t ns[kTimelineSlots][kTimelineEvents];
 };
+
+// The host's clock of the timeline: CLOCK_REALTIME in nanoseconds.
+inline int64_t realtime_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_REALTIME, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
 
 }  // namespace rocenante

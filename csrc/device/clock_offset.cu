@@ -1,11 +1,10 @@
 // Timeline builds only (CMakeLists.txt, csrc/timeline.h): how the GPU's %globaltimer relates to the host's
 // CLOCK_REALTIME.
-#include <time.h>
-
 #include <cstdint>
 
 #include "../cuda_check.h"
 #include "../errors.h"
+#include "../timeline.h"
 #include "clock_offset.h"
 #include "wire.cuh"
 
@@ -32,12 +31,6 @@ __global__ void clock_ping_kernel(ClockPing* ping) {
     __threadfence_system();
     p->gpu_seq = i;
   }
-}
-
-int64_t realtime_ns() {
-  timespec t{};
-  clock_gettime(CLOCK_REALTIME, &t);
-  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 
 }  // namespace

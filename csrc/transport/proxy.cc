@@ -20,7 +20,6 @@
 // mailbox are pinned and mapped (OneshotKernel::map_host), and the thread keeps using the host addresses.
 #include <sys/mman.h>
 #include <sys/prctl.h>
-#include <time.h>
 
 #include <atomic>
 #include <chrono>
@@ -47,11 +46,7 @@ constexpr unsigned long kTimerSlackNs = 1000;
 
 // Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
 void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
-  if constexpr (kTimeline) {
-    timespec t{};
-    clock_gettime(CLOCK_REALTIME, &t);
-    timeline->ns[epoch % kTimelineSlots][event] = uint64_t(t.tv_sec) * 1000000000u + uint64_t(t.tv_nsec);
-  }
+  if constexpr (kTimeline) timeline->ns[epoch % kTimelineSlots][event] = uint64_t(realtime_ns());
 }
 
 class Proxy final : public Transport {

@@ -110,10 +110,14 @@ def net() -> str:
     return parse_net(os.environ.get("ROCENANTE_NET", ""), "ROCENANTE_NET")
 
 
+# The values of ROCENANTE_NET: peers on this host directly (""), or every peer through RDMA or the TCP wire.
+NETS = ("", "ib", "tcp")
+
+
 def parse_net(raw: str, source: str) -> str:
     """A value of ROCENANTE_NET (or of Communicator's net=, named by `source`), checked."""
     value = str(raw).strip().lower()
-    if value not in ("", "ib", "tcp"):
+    if value not in NETS:
         raise ValueError(f"{source}={raw!r}: use ib or tcp, or leave it unset")
     return value
 

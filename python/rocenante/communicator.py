@@ -105,7 +105,7 @@ def _parse_host_record(rank: int, raw: bytes) -> tuple[str, str]:
     """Rank `rank`'s host record, as read from the store: anything may have written it, so it is checked."""
     fields = raw.decode("utf-8", "replace").split("|")
     if len(fields) != 3 or not fields[0] or len(fields[0]) > _MAX_HOST_ID or not fields[0].isprintable() \
-            or fields[1] not in ("", "ib", "tcp"):
+            or fields[1] not in _env.NETS:
         raise _C.RocenanteError(f"rank {rank} published a host record of {len(raw)} bytes that is not rocenante's")
     return fields[0], fields[1]
 
