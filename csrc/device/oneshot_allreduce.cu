@@ -27,6 +27,7 @@
 // INT32_MIN), never a stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
 // norm_out alike).
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -41,7 +42,7 @@
 namespace rocenante {
 namespace {
 
-// Most CTAs one launch may use; the launch shape also keeps every CTA resident at once (see max_blocks_).
+// Most CTAs one launch may use; the launch shape also keeps every CTA resident at once (see launch_bounds()).
 constexpr int kMaxBlocks = 1024;
 
 // Bits of DeviceState::fault_mask besides the missing peers.
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   // this CTA (rows b, b + gridDim.x, ...), its slots the thread's chunks of the row; each sum gets the residual
   // added (residual_out, stored at once) and its squares counted, and once the CTA has them all, write_norm().
   // A fused row waits for chunks that peers' CTAs of any index send: deadlock-free, as every CTA sends all of
-  // its chunks first (above) and every CTA of a launch is resident at once (max_blocks_, fused_max_blocks_).
+  // its chunks first (above) and every CTA of a launch is resident at once (launch_bounds()).
   constexpr int kSlots = kFused ? kMaxRowChunks : 1;
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
   uint64_t deadline = 0;    // set at the first timer read, so a call whose peers are already there never reads it
@@ -246,31 +247,39 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
       uint32_t own[4];
       load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
       sanitize<D>(own);
-      // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. Indices into
-      // `got` are compile-time constants after unrolling, so the words stay in registers.
+      // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. A round issues
+      // all of its loads before it looks at any, so it costs one memory round trip whatever the world. Indices
+      // into `got` are compile-time constants after unrolling, so the words stay in registers.
       uint32_t got[W][kWireWords<D>];
       uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
       // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
       // call word before it aborts, and this rank should name that call rather than relay the abort.
       uint64_t fault = 0;
       for (int polls = 1;; ++polls) {
+        uint32_t theirs[W];  // the peer's call word as read this round (ours once seen; kEmpty: not read)
+        bool landed[W];      // every word of its chunk has arrived
+#pragma unroll
+        for (int p = 0; p < W; ++p) {
+          theirs[p] = calls_seen & (1u << p) ? call : kEmpty;
+          landed[p] = false;
+          if (!(pending & (1u << p))) continue;
+          // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
+          if ((a.network & (1u << p)) && !(calls_seen & (1u << p)) &&
+              load_acquire_sys(&a.mailbox->arrived[buffer][p]) != epoch)
+            continue;
+          if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p));
+          landed[p] = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
+        }
 #pragma unroll
         for (int p = 0; p < W; ++p) {
           if (!(pending & (1u << p))) continue;
-          // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
-          if (!(calls_seen & (1u << p)) &&
-              (!(a.network & (1u << p)) || load_acquire_sys(&a.mailbox->arrived[buffer][p]) == epoch)) {
-            const uint32_t theirs = load_polled(call_word(a.local, buffer, p));
-            if (theirs == call) {
-              calls_seen |= 1u << p;
-            } else if (theirs != kEmpty && !failed) {  // the peer made a different call: say which
-              record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs, epoch)), epoch);
-              failed = true;
-            }
+          if (theirs[p] == call) {
+            calls_seen |= 1u << p;
+          } else if (theirs[p] != kEmpty && !failed) {  // the peer made a different call: say which
+            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs[p], epoch)), epoch);
+            failed = true;
           }
-          if ((a.network & (1u << p)) && !(calls_seen & (1u << p))) continue;
-          const bool arrived = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
-          if (arrived && (calls_seen & (1u << p))) pending &= ~(1u << p);
+          if (landed[p] && (calls_seen & (1u << p))) pending &= ~(1u << p);
         }
         if (failed || pending == 0) break;
         if (fault != 0) {
@@ -378,26 +387,31 @@ void dispatch_world(int world, F&& f) {
   return f.template operator()<8>();
 }
 
-// CTAs of kThreads that every multiprocessor can hold at once for every plain kernel (kFused: every fused
-// kernel) a communicator of `world` runs.
-template <bool kFused>
-int resident_blocks_per_sm(int world) {
-  int fewest = kMaxBlocks;
+// CTAs of one launch at most, per kernel (dtype, op, fused) of a communicator of `world`: as many CTAs of kThreads
+// as all multiprocessors hold at once (more loads in flight: at world 2, 4 CTAs per multiprocessor against 1
+// and 2 took 4 MiB bf16 from 18.7 to 16.8 us, benchmarks/results/h200x2-v2-shape-ab.json), and never more,
+// since a CTA waits for data that the peers' CTAs send, and those may be waiting for ours in turn. Counted per
+// kernel, so that the kernels that need more registers (int32's lines, the fused rows) do not lower the others'.
+// 0 where there is no such kernel.
+using LaunchBounds = std::array<std::array<std::array<int, 2>, kNumOps>, kNumDTypes>;
+LaunchBounds launch_bounds(int world, int multiprocessors) {
+  LaunchBounds bounds{};
   for (const DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32})
     for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
       if (d == DType::kInt32 && op == ReduceOp::kAvg) continue;
       dispatch_dtype_op(d, op, [&]<DType D, ReduceOp Op>() {
-        if constexpr (!kFused || kFusable<D, Op>) {
-          dispatch_world(world, [&]<int W>() {
-            int n = 0;
-            ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &n, oneshot_allreduce_kernel<D, Op, W, kFused>, kThreads, 0));
-            fewest = std::min(fewest, n);
-          });
-        }
+        dispatch_world(world, [&]<int W>() {
+          auto count = [&](auto kernel) {
+            int per_sm = 0;
+            ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+            return std::min(kMaxBlocks, multiprocessors * per_sm);
+          };
+          bounds[int(d)][int(op)][0] = count(oneshot_allreduce_kernel<D, Op, W, false>);
+          if constexpr (kFusable<D, Op>) bounds[int(d)][int(op)][1] = count(oneshot_allreduce_kernel<D, Op, W, true>);
+        });
       });
     }
-  return fewest;
+  return bounds;
 }
 
 class CudaOneshotKernel final : public OneshotKernel {
@@ -407,15 +421,10 @@ class CudaOneshotKernel final : public OneshotKernel {
     try {
       int multiprocessors = 0;
       ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device_));
-      // As many CTAs as fit at once: more loads in flight (at world 2, 4 CTAs per multiprocessor against 1 and 2:
-      // 4 MiB bf16 in 16.8 us against 18.7 us at 2, benchmarks/results/h200x2-v2-shape-ab.json). Never more:
-      // every CTA must be resident at once, since a CTA waits for data that the peers' CTAs send, and those
-      // may be waiting for ours in turn.
-      max_blocks_ = std::min(kMaxBlocks, multiprocessors * resident_blocks_per_sm<false>(world));
-      // The fused kernels hold a row in registers: they count on their own, so that they never lower the plain
-      // kernel's CTAs. At most max_blocks_, the epoch copies there are.
-      fused_max_blocks_ = std::min(max_blocks_, multiprocessors * resident_blocks_per_sm<true>(world));
-      state_.copies = max_blocks_;
+      max_blocks_ = launch_bounds(world, multiprocessors);
+      for (const auto& per_op : max_blocks_)
+        for (const auto& per_fused : per_op)
+          for (const int blocks : per_fused) state_.copies = std::max(state_.copies, blocks);
       // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers], sent.
       constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 1;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
@@ -450,7 +459,8 @@ class CudaOneshotKernel final : public OneshotKernel {
     order_after_previous_call(stream);
     const AllReduceArgs& a = args;
     const bool fused = a.norm.hidden != 0;
-    const LaunchShape shape = fused ? fused_shape(a, fused_max_blocks_) : oneshot_shape(a.bytes, max_blocks_);
+    const int max_blocks = max_blocks_[int(a.dtype)][int(a.op)][fused];
+    const LaunchShape shape = fused ? fused_shape(a, max_blocks) : oneshot_shape(a.bytes, max_blocks);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -543,8 +553,7 @@ class CudaOneshotKernel final : public OneshotKernel {
   }
 
   int device_;
-  int max_blocks_ = 0;        // CTAs of one launch at most; also the number of epoch copies
-  int fused_max_blocks_ = 0;  // CTAs of one fused launch at most
+  LaunchBounds max_blocks_{};  // CTAs of one launch at most, per kernel; the largest is the number of epoch copies
   DeviceState state_{};
   FaultRecord* host_ = nullptr;  // mapped: state_.record is its device address
   cudaEvent_t order_event_ = nullptr;
