@@ -161,9 +161,10 @@ def _interrupted(store, rank, world):
         try:
             comm.all_reduce(torch.ones(100))  # rank 1 is late: this waits until Ctrl-C
         except KeyboardInterrupt as err:
+            store.set("interrupted", "1")
             return type(err).__name__, time.monotonic() - start
         raise AssertionError("the call returned")
-    time.sleep(2.0)
+    store.wait(["interrupted"])  # late by construction, however slowly rank 0 got to its call
     # Rank 0 pushed its input before it was interrupted, so this first call may complete, exactly.
     x = comm.all_reduce(torch.ones(100))
     assert torch.equal(x, torch.full((100,), 2.0))
