@@ -156,15 +156,21 @@ def test_a_call_one_rank_refuses_fails_on_every_rank_at_once():
 def _interrupted(store, rank, world):
     comm = _comm(store, rank, world)
     if rank == 0:
+        # Python's own Ctrl-C handling, whatever the process that started this one had set or blocked.
+        inherited = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         start = time.monotonic()
         try:
             comm.all_reduce(torch.ones(100))  # rank 1 is late: this waits until Ctrl-C
         except KeyboardInterrupt as err:
-            store.set("interrupted", "1")
             return type(err).__name__, time.monotonic() - start
-        raise AssertionError("the call returned")
-    store.wait(["interrupted"])  # late by construction, however slowly rank 0 got to its call
+        finally:
+            store.set("rank 0 is done", "1")
+        raise AssertionError(f"the call returned after {time.monotonic() - start:.2f} s, not interrupted "
+                             f"(SIGINT handler and blocked signals as inherited: {inherited})")
+    store.wait(["rank 0 is done"])  # late by construction, however slowly rank 0 got to its call
     # Rank 0 pushed its input before it was interrupted, so this first call may complete, exactly.
     x = comm.all_reduce(torch.ones(100))
     assert torch.equal(x, torch.full((100,), 2.0))
