@@ -82,24 +82,13 @@ def test_workspace_face_and_both_patterns_against_float64():
 # Decode shapes; hidden 4098 has rows of 8196 bytes in bf16/fp16 and 16392 in fp32, not whole 16-byte chunks,
 # so the plugin keeps the all-reduce followed by torch's ops there.
 FUSED_SHAPES = [(tokens, hidden) for tokens in (1, 7, 64) for hidden in (4096, 8192, 4098)]
-_MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
-
-
 def _check_close_to_unfused(fused: torch.Tensor, unfused: torch.Tensor, what: str) -> None:
-    """norm_out fused vs the all-reduce followed by torch's ops. Both compute the same fp32 expression from the
-    same rounded residual_out, except that they add the row's squares in another order: the sums differ by
-    less than ~50 roundings of 2^-24 relative (at most 32 sequential adds per thread, then 13 tree levels;
-    torch's reduction is of the same depth), so the fp32 norms differ by < 2^-16 relative, and a 16-bit type
-    rounds two values that close to the same or adjacent values: at most 1 unit in the last place apart."""
+    """norm_out fused vs the all-reduce followed by torch's ops, within fused_norm_bound() (which says why)."""
+    from rocenante.bench.runner import fused_norm_bound
+
     a, b = fused.double().cpu(), unfused.double().cpu()
     assert not torch.isnan(a).any(), f"{what}: fused norm_out has NaN (unwritten)"
-    magnitude = torch.maximum(a.abs(), b.abs())
-    if fused.dtype == torch.float32:
-        bound = magnitude * 2.0**-16
-    else:
-        exponent = torch.floor(torch.log2(magnitude.clamp_min(2.0**-14)))  # fp16's smallest normal exponent
-        bound = torch.exp2(exponent - _MANTISSA_BITS[fused.dtype])  # one unit in the last place
-    worst = ((a - b).abs() / bound).max().item()
+    worst = ((a - b).abs() / fused_norm_bound(a, b, fused.dtype)).max().item()
     assert worst <= 1.0, f"{what}: fused norm_out is {worst:.2f}x the bound away from the unfused path's"
 
 

@@ -104,6 +104,23 @@ def bitwise_mismatch(what: str, got: torch.Tensor, want: torch.Tensor) -> str | 
             f"{got.reshape(-1)[i].item()!r} where {want.reshape(-1)[i].item()!r} was expected")
 
 
+_MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+
+
+def fused_norm_bound(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
+    """Per element, how far apart (a, b: float64 copies) the fused add + RMSNorm's norm_out of `dtype` and the
+    all-reduce followed by torch's ops may be. Both compute the same fp32 expression from the same rounded
+    residual_out, except that they add the row's squares in another order: the sums differ by less than ~50
+    roundings of 2^-24 relative (at most 32 sequential adds per thread, then 13 tree levels; torch's reduction is
+    of the same depth), so the fp32 norms differ by < 2^-16 relative, and a 16-bit type rounds two values that
+    close to the same or adjacent values: at most 1 unit in the last place apart."""
+    magnitude = torch.maximum(a.abs(), b.abs())
+    if dtype == torch.float32:
+        return magnitude * 2.0**-16
+    exponent = torch.floor(torch.log2(magnitude.clamp_min(2.0**-14)))  # fp16's smallest normal exponent
+    return torch.exp2(exponent - _MANTISSA_BITS[dtype])  # one unit in the last place
+
+
 def sleep_cycles_per_us() -> float:
     """How many cycles torch.cuda._sleep spins per microsecond on the current device: the most of 10 tries, the
     clock once it has ramped up, so that a sleep of SLEEP_BEFORE_REPLAY_US lasts at least that long."""
