@@ -27,11 +27,11 @@ def main() -> None:
         if variant not in variants:
             variants.append(variant)
         runs[(variant, int(i))] = {(r["arm"], r["mode"], r["dtype"], r["bytes"]): r["median_us"] for r in data["rows"]}
-    keys = sorted({k for per in runs.values() for k in per}, key=lambda k: (k[0], k[1], k[2], k[3]))
+    keys = sorted({k for per in runs.values() for k in per})
     rounds = sorted({i for _, i in runs})
     rows, ab = [], []
-    for arm, mode, dtype, nbytes in keys:
-        key = (arm, mode, dtype, nbytes)
+    for key in keys:
+        arm, mode, dtype, nbytes = key
         for variant in variants:
             values = sorted(runs[(variant, i)][key] for i in rounds)
             rows.append({"arm": f"{arm}_{variant}", "mode": mode, "dtype": dtype, "bytes": nbytes,
