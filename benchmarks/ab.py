@@ -45,7 +45,8 @@ def main() -> None:
     result = {
         "schema": first["schema"],
         "provenance": {**first["provenance"], "method": f"benchmarks/ab.sh ({a.method}): one build per variant, "
-                       f"runs alternated {len(rounds)} times; p10/p90 here are the min/max of the runs' medians",
+                       f"runs alternated {len(rounds)} times, in an order rotated every round; "
+                       "p10/p90 here are the min/max of the runs' medians",
                        "bench_method": first["provenance"].get("method")},  # each run's, as the bench recorded it
         "world_size": first["world_size"],
         "rows": rows,

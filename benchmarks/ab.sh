@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of source trees on a GPU machine: each tree is built into its own directory (in parallel), then
-# `python -m rocenante.bench` runs each build in turn, the turns alternated ROUNDS times, so that drift of the
-# machine spreads over every variant alike; benchmarks/ab.py combines the runs into one rocenante.bench/1 JSON
+# `python -m rocenante.bench` runs each build in turn, the turns alternated ROUNDS times in an order rotated by one
+# variant every round, so that drift of the machine, and whatever favours the first or last run of a round,
+# spreads over every variant alike; benchmarks/ab.py combines the runs into one rocenante.bench/1 JSON
 # with the paired deltas of the first variant against each other.
 #   benchmarks/ab.sh OUTDIR ROUNDS NAME=SOURCE_DIR [NAME=SOURCE_DIR ...]   ->  OUTDIR/ab.json
 # AB_BENCH_ARGS replaces the benchmark's arguments (default: rocenante alone, bf16, CUDA graphs, 1 KiB-4 MiB in
@@ -26,7 +27,8 @@ for name in "${names[@]}"; do
   wait -n || { tail -30 "$out"/build-*.log; exit 1; }
 done
 for i in $(seq "$rounds"); do
-  for name in "${names[@]}"; do
+  for k in "${!names[@]}"; do
+    name=${names[$(( (k + i) % ${#names[@]} ))]}  # each round starts one variant later: no variant always first
     # shellcheck disable=SC2086  # the arguments are words
     PYTHONPATH="/tmp/ab-$name" python3 -m rocenante.bench $bench_args --no-png --out "$out/ab-$name-$i.json" \
       > "$out/ab-$name-$i.log" 2>&1 || { tail -30 "$out/ab-$name-$i.log"; exit 1; }
