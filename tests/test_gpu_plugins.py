@@ -82,6 +82,8 @@ def test_workspace_face_and_both_patterns_against_float64():
 # Decode shapes; hidden 4098 has rows of 8196 bytes in bf16/fp16 and 16392 in fp32, not whole 16-byte chunks,
 # so the plugin keeps the all-reduce followed by torch's ops there.
 FUSED_SHAPES = [(tokens, hidden) for tokens in (1, 7, 64) for hidden in (4096, 8192, 4098)]
+
+
 def _check_close_to_unfused(fused: torch.Tensor, unfused: torch.Tensor, what: str) -> None:
     """norm_out fused vs the all-reduce followed by torch's ops, within fused_norm_bound() (which says why)."""
     from rocenante.bench.runner import fused_norm_bound
