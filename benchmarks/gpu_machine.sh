@@ -1,20 +1,45 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
-#   benchmarks/gpu_machine.sh OUTDIR [tests|bench|fusion|breakdown|all] [extra benchmark arguments...]
-# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit), OUTDIR/test-figures.jsonl (detection times, soak
-# and leak figures), OUTDIR/bench.json, OUTDIR/bench.png, OUTDIR/bench.log, OUTDIR/fusion.json and
-# OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown (not part of all): a second, timeline build
-# (csrc/timeline.h) in /tmp/rocenante-timeline and OUTDIR/breakdown.{json,log} (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces
-# (e.g. '-k (gpu_soak)or(gpu_hostile)' for tests/test_gpu_{soak,hostile}.py alone).
-# The log shows what passed tests printed (-rP): the soak's count and time, the leak probes' values.
-# On 2 x H200 the whole suite takes about 10 minutes (at 4adb2a6: 585 s without the network-path tests, which
-# take about 100 s more), more than one 600 s device call: split it with ROCENANTE_PYTEST_ARGS, e.g.
-# '-k not((gpu_soak)or(test_gpu_net))' and then '-k (gpu_soak)or(test_gpu_net)'.
+#   benchmarks/gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [extra benchmark arguments...]
+# Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit; gpu-tests-PART.* for a part), OUTDIR/test-figures.jsonl
+# (detection times, soak and leak figures; every part appends), OUTDIR/bench.json, OUTDIR/bench.png,
+# OUTDIR/bench.log, OUTDIR/fusion.json and OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown (not part of
+# all): a second, timeline build (csrc/timeline.h) in /tmp/rocenante-timeline and OUTDIR/breakdown.{json,log}
+# (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces (e.g. '-k memcheck';
+# a -k there replaces a part's). The log shows what passed tests printed (-rP): the soak's count and time, the leak
+# probes' values.
+# The GPU tests (pytest -m gpu: tests/gpu) run on whatever GPUs there are: with fewer GPUs than a test's ranks,
+# ranks share a GPU (a call then takes milliseconds, and tests make fewer calls) and tests that need a GPU per rank
+# are skipped, saying so. The whole suite takes longer than one 600 s device call; `tests PART` runs a part of it.
+# Estimates on one H200, ranks sharing it, from what ran there (a fresh machine's build: 52-71 s; back-to-back
+# calls of 16 KiB: 2.3 ms x (world - 1); a test of the direct path 4-15 s at worlds 2-8, the every-dtype test
+# 12-15 s, fault tests 6-11 s, a backend test 6-14 s), build included:
+#   allreduce-direct  tests/gpu/test_gpu_allreduce.py on the direct path, worlds 2, 3, 4, 8     about 220 s
+#   allreduce-tcp     the same over the TCP wire                                                about 230 s
+#   sanitizer         compute-sanitizer memcheck, initcheck, synccheck (not yet timed there)    about 300 s
+#   faults            tests/gpu/test_gpu_faults.py and test_gpu_hostile.py                      about 150 s
+#   rest              every other file of tests/gpu (backend, plugins, soak, bench, ...)        about 220 s
+# On 2 x H200 the suite before worlds 3-8 took about 10 minutes (4adb2a6: 585 s, and about 100 s more for the
+# network-path tests): there too, run it in parts.
 set -uo pipefail
-out=${1:?usage: gpu_machine.sh OUTDIR [tests|bench|fusion|all] [bench args...]}
+out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [bench args...]}
 what=${2:-all}
 shift $(( $# >= 2 ? 2 : 1 ))
-mkdir -p "$out"
+repo=$PWD
+gpu=$repo/tests/gpu
+part= suffix=
+if [[ $what == tests && $# -ge 1 ]]; then part=$1 suffix=-$1; shift; fi
+case $part in
+  "") selection=("$repo/tests") ;;
+  allreduce-direct) selection=("$gpu/test_gpu_allreduce.py" -k "not tcp and not sanitizer") ;;
+  allreduce-tcp) selection=("$gpu/test_gpu_allreduce.py" -k "tcp and not sanitizer") ;;
+  sanitizer) selection=("$gpu/test_gpu_allreduce.py" -k sanitizer) ;;
+  faults) selection=("$gpu/test_gpu_faults.py" "$gpu/test_gpu_hostile.py") ;;
+  rest) selection=("$gpu" --ignore="$gpu/test_gpu_allreduce.py" --ignore="$gpu/test_gpu_faults.py"
+                   --ignore="$gpu/test_gpu_hostile.py") ;;
+  *) echo "unknown part '$part': allreduce-direct, allreduce-tcp, sanitizer, faults or rest" >&2; exit 2 ;;
+esac
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # the tests run in /tmp
 # NVLink multicast stays off everywhere (NCCL NVLS, torch SymmetricMemory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # The GPU tests run compute-sanitizer: here a missing one fails the run instead of skipping those tests.
@@ -27,8 +52,9 @@ python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_
   > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 status=0
 if [[ $what == tests || $what == all ]]; then
-  (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rsP -m gpu "$OLDPWD/tests" \
-     --junitxml="$out/gpu-tests.xml" ${ROCENANTE_PYTEST_ARGS:-}) 2>&1 | tee "$out/gpu-tests.log" | tail -25
+  (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rsP -m gpu "${selection[@]}" \
+     --junitxml="$out/gpu-tests$suffix.xml" ${ROCENANTE_PYTEST_ARGS:-}) 2>&1 | tee "$out/gpu-tests$suffix.log" |
+    tail -25
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -49,16 +49,22 @@ struct AllReduceArgs {
   RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
 };
 
-// A wait that has read the clock also reads the abort words of its region's header, with `load` (the host's
-// and the kernel's atomic loads differ): the peers', then its own rank's (written by its own host, layout.h),
-// since a peer's own word says more than our watchdog's (a peer that aborted may have ended since).
+// A wait for the peers in `pending` that has read the clock also reads the abort words of its region's header,
+// with `load` (the host's and the kernel's atomic loads differ): the peers', then its own rank's (written by its
+// own host, layout.h), since a peer's own word says more than our watchdog's (a peer that aborted may have ended
+// since). Ended processes (kPeersExited) end the wait only if it waits for one of them.
 // Returns the fault to record, or 0 to keep waiting.
 template <class Load>
-ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, Load load) {
+ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, uint32_t pending, Load load) {
   for (int p = 0; p < kMaxRanks && p < a.world; ++p)
     if (p != a.rank)
       if (const uint64_t w = load(abort_word(a.local, p))) return peer_aborted(p, w);
-  return load(abort_word(a.local, a.rank));
+  const uint64_t own = load(abort_word(a.local, a.rank));
+  if (fault_kind(own) != Fault::kPeersExited) return own;
+  const uint32_t gone = fault_detail(own) & pending;
+  for (int p = 0; p < kMaxRanks; ++p)
+    if (gone & (1u << p)) return encode_fault(Fault::kPeerExited, uint32_t(p), 0);
+  return 0;
 }
 
 // True when a signal asks the waiting thread to give up (Ctrl-C); checked at most every few milliseconds.

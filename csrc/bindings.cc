@@ -83,18 +83,27 @@ PYBIND11_MODULE(_C, m) {
     return rocenante::make_flag(rocenante::call_signature(count, dtype, op, fused), epoch);
   }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"), py::arg("fused") = false);
   wire.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
+  wire.attr("buffers") = rocenante::kBuffers;
+  wire.attr("epoch_period") = rocenante::kEpochPeriod;
+  // The handles' formats (communicator.h, transport.h), for tests that forge or tamper with one.
+  wire.attr("config_magic") = rocenante::kConfigMagic;
+  wire.attr("config_bytes") = rocenante::kConfigBytes;
+  wire.attr("handle_header_bytes") = rocenante::kHandleHeaderBytes;
+  wire.attr("tcp_handle_magic") = rocenante::kTcpHandleMagic;
+  wire.attr("tcp_hello_magic") = rocenante::kTcpHelloMagic;
+  wire.attr("rdma_handle_magic") = rocenante::kRdmaHandleMagic;
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
                        rocenante::OnFault on_fault, rocenante::Net net,
-                       const std::vector<std::tuple<std::string, int, int>>& rdma_paths) {
+                       const std::vector<std::tuple<std::string, int, int>>& rdma_paths, uint32_t first_call) {
              std::vector<rocenante::IbPath> paths;
              for (const auto& [dev, port, gid] : rdma_paths) paths.push_back({dev, port, gid});
-             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths);
+             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
-           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{})
+           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{}, py::arg("first_call") = 1)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       // Over the TCP wire connecting waits for the peers (up to 30 s): other Python threads keep running.
       .def("connect", &Communicator::connect, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
@@ -108,7 +117,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("check", &Communicator::check)  // reads two words: not worth releasing the GIL
-      .def_property_readonly("fault_call", &Communicator::fault_call)
+      .def("faulted_by", &Communicator::faulted_by, py::arg("call"))
       .def_property_readonly("captured", &Communicator::captured)
       .def("stream_done", &Communicator::stream_done, py::arg("stream"))
       .def("close", &Communicator::close, py::call_guard<py::gil_scoped_release>())

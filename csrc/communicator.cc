@@ -1,6 +1,7 @@
 #include "communicator.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -46,13 +47,13 @@ struct Config {
   uint32_t world;
   uint64_t capacity_bytes;
   int32_t on_gpu;
-  uint32_t zero;  // explicit padding, always 0, so that memcmp compares only bytes we set
+  uint32_t first_epoch;  // the number of the first call (1; near the wrap in tests of it)
 };
-constexpr uint32_t kConfigMagic = 0x524f4334;  // "ROC4": bump when the protocol changes
 static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
+static_assert(sizeof(Config) == kConfigBytes, "communicator.h says where the identity starts");
 
-Config config_of(int world, size_t capacity_bytes, int device) {
-  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, 0};
+Config config_of(int world, size_t capacity_bytes, int device, uint32_t first_epoch) {
+  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, first_epoch};
 }
 
 // A protocol magic as its four characters ("ROC2"), or in hex when they are not all printable.
@@ -75,6 +76,8 @@ struct Identity {
   uint64_t start_time;
 };
 static_assert(sizeof(Identity) == 16, "Identity travels as raw bytes: no implicit padding");
+static_assert(sizeof(Config) + sizeof(Identity) == kHandleHeaderBytes,
+              "communicator.h says where the transport's part starts");
 
 uint64_t process_start_time(int64_t pid) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
@@ -121,13 +124,15 @@ std::string parse_handle(int p, const std::string& handle, const Config& mine, I
     ROCENANTE_THROW(Error, rank + " published a truncated handle of " + std::to_string(handle.size()) + " bytes");
   Config theirs{};
   std::memcpy(&theirs, handle.data(), sizeof(theirs));
-  if (theirs.zero != 0 || (theirs.on_gpu != 0 && theirs.on_gpu != 1))
+  if (theirs.first_epoch >= kEpochPeriod || (theirs.on_gpu != 0 && theirs.on_gpu != 1))
     ROCENANTE_THROW(Error, rank + " published a malformed configuration");
   if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0)
     ROCENANTE_THROW(Error, rank + " is configured differently: world " + std::to_string(theirs.world) + ", capacity " +
                                std::to_string(theirs.capacity_bytes) + " bytes, " + (theirs.on_gpu ? "GPU" : "CPU") +
-                               "; this rank: world " + std::to_string(mine.world) + ", capacity " +
-                               std::to_string(mine.capacity_bytes) + " bytes, " + (mine.on_gpu ? "GPU" : "CPU"));
+                               ", first call " + std::to_string(theirs.first_epoch) + "; this rank: world " +
+                               std::to_string(mine.world) + ", capacity " + std::to_string(mine.capacity_bytes) +
+                               " bytes, " + (mine.on_gpu ? "GPU" : "CPU") + ", first call " +
+                               std::to_string(mine.first_epoch));
   std::memcpy(&peer, handle.data() + sizeof(Config), sizeof(Identity));
   if (peer.pid <= 0 || peer.pid > kMaxPid)
     ROCENANTE_THROW(Error, rank + " published an impossible process id " + std::to_string(peer.pid));
@@ -148,22 +153,63 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kCallMismatch: return "rank " + peer + " made a different call";
     case Fault::kPeerExited: return "rank " + peer + "'s process ended";
     case Fault::kRefused: return "rank " + peer + " refused a call for a reason only it could see";
+    case Fault::kLaunchFailed: return "rank " + peer + " could not launch a call";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
     case Fault::kTransport: return "its network path to rank " + peer + " failed";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
+    case Fault::kPeersExited:  // never recorded (abort_seen)
     case Fault::kNone: break;
   }
   return "unknown cause " + std::to_string(cause);
 }
 
+// Forks this process has been the child of, counted by a pthread_atfork handler: a communicator compares it
+// with the count at its creation to tell that it is now in a child of the process that created it.
+std::atomic<uint32_t> forks_seen{0};
+const bool fork_counter_installed = [] {
+  return pthread_atfork(nullptr, nullptr, [] { forks_seen.fetch_add(1, std::memory_order_relaxed); }) == 0;
+}();
+
+// Open GPU communicators of this process, per device, for the timeout's message: two communicators whose calls
+// reach one GPU in different orders on different ranks can wait for each other (README, "Guarantees").
+constexpr int kMaxDevices = 64;
+std::mutex gpu_communicators_mutex;
+int gpu_communicators[kMaxDevices] = {};
+
 }  // namespace
 
 InterruptCheck Communicator::interrupt_check_ = nullptr;
 
+void Communicator::count_on_device(int delta) {
+  if (device_ < 0 || device_ >= kMaxDevices) return;
+  std::lock_guard<std::mutex> lock(gpu_communicators_mutex);
+  gpu_communicators[device_] += delta;
+}
+
+bool Communicator::shares_device() const {
+  if (device_ < 0 || device_ >= kMaxDevices) return false;
+  std::lock_guard<std::mutex> lock(gpu_communicators_mutex);
+  return gpu_communicators[device_] > 1;
+}
+
+bool Communicator::in_forked_child() const { return forks_seen.load(std::memory_order_relaxed) != forks_at_creation_; }
+
+void Communicator::refuse_in_forked_child() const {
+  if (in_forked_child())
+    ROCENANTE_THROW(Error, "rank " + std::to_string(rank_) + ": this communicator belongs to process " +
+                               std::to_string(creator_pid_) + ", which created it; process " +
+                               std::to_string(getpid()) + " is a fork of it and cannot use it (build a communicator in "
+                               "the child instead)");
+}
+
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-                           Net net, const std::vector<IbPath>& rdma_paths)
+                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
-      layout_{capacity_bytes, world}, pidfds_(world, -1) {
+      layout_{capacity_bytes, world}, first_epoch_(first_epoch),
+      issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch), pidfds_(world, -1),
+      creator_pid_(getpid()),
+      forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
+  if (!fork_counter_installed) ROCENANTE_THROW(Error, "pthread_atfork failed: forked children could not be told apart");
   if (world < 1 || world > kMaxRanks)
     ROCENANTE_THROW(InvalidArgument, "world size " + std::to_string(world) + " is outside 1.." + std::to_string(kMaxRanks));
   if (rank < 0 || rank >= world)
@@ -175,9 +221,12 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
+  if (first_epoch >= kEpochPeriod)
+    ROCENANTE_THROW(InvalidArgument, "first call " + std::to_string(first_epoch) + " is outside 0.." +
+                                         std::to_string(kEpochPeriod - 1));
   if (net != Net::kDirect && net != Net::kIb && net != Net::kTcp)
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
-  if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_);
+  if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
     void* address = nullptr;
@@ -188,7 +237,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
     std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths) : make_tcp_wire(rank, layout_);
-    transport_ = make_proxy(rank, layout_, std::move(wire), kernel_.get(), timeline_.get());
+    transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), kernel_.get(), timeline_.get());
     network_ = ((1u << world) - 1) & ~(1u << rank);
   }
   // Every direct peer's region is stored to; the network peers share one image, in which this rank's area has
@@ -200,13 +249,14 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     if (!(network_ & (1u << p)) || !first) stores_ |= 1u << p;
     if (network_ & (1u << p)) first = true;
   }
+  if (kernel_ != nullptr) count_on_device(+1);  // undone by close()
 }
 
 Communicator::~Communicator() { close(); }
 
 std::string Communicator::local_handle() const {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  const Config c = config_of(world_, layout_.capacity_bytes, device_);
+  const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_);
   const Identity me{getpid(), process_start_time(getpid())};
   return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) +
          std::string(reinterpret_cast<const char*>(&me), sizeof(me)) + transport_->local_handle();
@@ -216,7 +266,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (int(handles.size()) != world_)
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
-  const Config mine = config_of(world_, layout_.capacity_bytes, device_);
+  const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_);
   std::vector<std::string> transport_handles(world_);
   std::vector<Identity> peers(world_);
   for (int p = 0; p < world_; ++p) {
@@ -273,12 +323,41 @@ AllReduceArgs Communicator::call_args(DType dtype, ReduceOp op) const {
   return a;
 }
 
-uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
-  std::unique_lock<std::mutex> lock(issue_);
+// Every call starts here, under issue_: what ends it before anything is issued (closed, faulted, a refusal
+// every rank makes alike) leaves the call numbers as they were.
+void Communicator::check_issuable(DType dtype, ReduceOp op) {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (const uint64_t fault = current_fault()) fail(fault, "");
   validate_shared(dtype, op);
-  if (count == 0) return 0;
+}
+
+// One call of the protocol (a piece), under issue_: takes the next call number, then launches the kernel (GPU)
+// or runs the host loop (CPU: the fault it met, else 0). Once the number is taken the peers count the call as
+// made, so anything that stops it from going out faults the communicator and tells them: else this rank's
+// next call would pair with their call of this number, silently where the two look alike.
+uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t& epoch) {
+  epoch = next_epoch(issued_);
+  issued_ = epoch;
+  try {
+    if (kernel_ == nullptr) {
+      const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
+      reset_span_ = span_bytes(a.bytes, a.dtype);
+      return fault;
+    }
+    if (kernel_->launch(a, stream)) captured_ = true;
+    launched_ = next_epoch(epoch);
+    return 0;
+  } catch (const std::exception& err) {
+    abort_call(encode_fault(Fault::kLaunchFailed, rank_, 0), epoch,
+               "could not launch " + describe_call(a.count, a.dtype, a.op, a.norm.hidden != 0) + ": " + err.what());
+  }
+}
+
+uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
+  refuse_in_forked_child();  // before the lock, which a thread that did not fork may have held
+  std::unique_lock<std::mutex> lock(issue_);
+  check_issuable(dtype, op);
+  if (count == 0) return issued_;  // nothing issued: it completes with the call before
   if (const char* why = validate_local(in, out, count, dtype)) {
     lock.unlock();
     refuse(describe_call(count, dtype, op) + ": " + why);
@@ -290,29 +369,21 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
   // multiple of 512 bytes, so every piece keeps the caller's alignment.
   const size_t esize = dtype_size(dtype);
   const size_t piece = piece_bytes(layout_.capacity_bytes, dtype) / esize;
-  uint32_t epoch = issued_;
+  uint32_t epoch = 0;
   for (size_t first = 0; first < count; first += piece) {
     a.count = std::min(piece, count - first);
     a.bytes = a.count * esize;
     a.in = reinterpret_cast<const char*>(in) + first * esize;
     a.out = reinterpret_cast<char*>(out) + first * esize;
     a.signature = call_signature(a.count, dtype, op);
-    epoch = next_epoch(epoch);
-    issued_ = epoch;
-    if (kernel_) {
-      if (kernel_->launch(a, stream)) captured_ = true;
-      continue;
-    }
-    const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
-    reset_span_ = span_bytes(a.bytes, dtype);
+    const uint64_t fault = issue(a, stream, epoch);
     if (fault == 0) continue;
-    // Poison what later pieces would have computed, as host_allreduce did for the rest of this one.
+    // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one.
     const uint32_t poison = poison_word(dtype);
     for (size_t b = (first + a.count) * esize; b < count * esize; b += sizeof(poison))
       std::memcpy(reinterpret_cast<char*>(out) + b, &poison, std::min(sizeof(poison), count * esize - b));
-    const std::string this_call = describe_call(count, dtype, op);
     if (record(fault, epoch)) tell_peers(fault, epoch);
-    fail(fault_.load(), this_call);
+    fail(fault_.load(), describe_call(count, dtype, op));
   }
   return epoch;
 }
@@ -354,10 +425,9 @@ uint32_t Communicator::all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_i
                                               uintptr_t residual_out, uintptr_t norm_out, size_t count,
                                               size_t hidden, DType dtype, float eps, float weight_bias,
                                               uintptr_t stream) {
+  refuse_in_forked_child();
   std::unique_lock<std::mutex> lock(issue_);
-  if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  if (const uint64_t fault = current_fault()) fail(fault, "");
-  validate_shared(dtype, ReduceOp::kSum);
+  check_issuable(dtype, ReduceOp::kSum);
   // The same refusal on every rank (their calls share count, hidden and dtype, or mismatch): still usable.
   if (!fuses_add_rmsnorm(count, hidden, dtype))
     ROCENANTE_THROW(InvalidArgument,
@@ -378,34 +448,44 @@ uint32_t Communicator::all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_i
   a.norm = RowNorm{reinterpret_cast<const void*>(residual_in), reinterpret_cast<void*>(residual_out),
                    reinterpret_cast<void*>(norm_out), reinterpret_cast<const void*>(gamma), eps, weight_bias,
                    uint32_t(hidden)};
-  const uint32_t epoch = next_epoch(issued_);
-  issued_ = epoch;
-  if (kernel_->launch(a, stream)) captured_ = true;
+  uint32_t epoch = 0;
+  issue(a, stream, epoch);  // a kernel's fault is raised by a later call: only the host loop returns one
   return epoch;
 }
 
 void Communicator::refuse(const std::string& why) {
+  refuse_in_forked_child();
   std::lock_guard<std::mutex> lock(issue_);
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  const uint32_t epoch = next_epoch(issued_);  // the call the peers are making
-  const uint64_t fault = encode_fault(Fault::kRefused, rank_, 0);
-  const std::string words = "rank " + std::to_string(rank_) + ": call " + std::to_string(epoch) + ": refused " + why +
+  abort_call(encode_fault(Fault::kRefused, rank_, 0), next_epoch(issued_) /* the call the peers are making */,
+             "refused " + why);
+}
+
+void Communicator::abort_call(uint64_t fault, uint32_t epoch, const std::string& why) {
+  const std::string words = "rank " + std::to_string(rank_) + ": call " + std::to_string(epoch) + ": " + why +
                             "; the peers had already started this call, so the communicator is closed and they "
                             "were told";
   if (record(fault, epoch, words)) {
     tell_peers(fault, epoch);
-    transport_->post_abort(rank_, fault);  // our own kernels stop too (a graph may replay this call)
+    transport_->post_abort(rank_, fault);  // our own kernels stop too (a graph may replay an earlier call)
   }
   fail(fault_.load(), "");
 }
 
 void Communicator::check() {
+  refuse_in_forked_child();
+  std::shared_lock<std::shared_mutex> alive(lifetime_);
   if (const uint64_t fault = current_fault()) fail(fault, "");
 }
 
-uint32_t Communicator::fault_call() { return current_fault() != 0 ? fault_epoch_.load() : 0; }
+bool Communicator::faulted_by(uint32_t call) {
+  std::shared_lock<std::shared_mutex> alive(lifetime_);
+  return current_fault() != 0 && (captured_ || epoch_at_or_before(fault_epoch_.load(), call));
+}
 
 bool Communicator::stream_done(uintptr_t stream) const {
+  std::shared_lock<std::shared_mutex> alive(lifetime_);
+  if (transport_ == nullptr) return true;
   if (kernel_ == nullptr) ROCENANTE_THROW(InvalidArgument, "a CPU communicator has no streams");
   return kernel_->stream_done(stream);
 }
@@ -451,14 +531,18 @@ void Communicator::report(const std::string& what) {
 }
 
 void Communicator::watch() {
+  std::shared_lock<std::shared_mutex> alive(lifetime_);
+  if (transport_ == nullptr) return;
   for (int p = 0; p < world_; ++p) {
     if (pidfds_[p] < 0) continue;
     pollfd fd{pidfds_[p], POLLIN, 0};
     if (poll(&fd, 1, 0) <= 0) continue;  // still running
     ::close(pidfds_[p]);
     pidfds_[p] = -1;
-    // Not a fault yet: a peer may end after its last call. Every wait for it from now on stops and faults.
-    transport_->post_abort(rank_, encode_fault(Fault::kPeerExited, p, 0));
+    // Not a fault yet: a peer may end after its last call. Every wait for it from now on stops and faults;
+    // waits for the other peers go on. Not over a fault of this rank's own, which says more.
+    exited_ |= 1u << p;
+    if (fault_.load() == 0) transport_->post_abort(rank_, encode_fault(Fault::kPeersExited, exited_, 0));
   }
   if (kernel_ == nullptr) return;  // CPU faults are reported by the call that meets them
   if (current_fault() != 0) report(message(""));
@@ -475,7 +559,12 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
       std::string missing;
       for (int p = 0; p < world_; ++p)
         if (detail & (1u << p)) missing += " " + std::to_string(p);
-      return where + "timed out after " + seconds + " s waiting for rank(s)" + missing + closed;
+      const std::string hint =
+          !shares_device() ? "" : " (another communicator of this process is open on cuda:" + std::to_string(device_) +
+                                      ": if the ranks issued the two communicators' calls in different orders, each "
+                                      "rank's kernel may be waiting for one that cannot run beside it; order them "
+                                      "alike on every rank)";
+      return where + "timed out after " + seconds + " s waiting for rank(s)" + missing + hint + closed;
     }
     case Fault::kCallMismatch: {
       const uint32_t sig = fault_value(fault);
@@ -489,12 +578,14 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
       return where + "rank " + std::to_string(detail) + " aborted the communicator: " + abort_reason(fault_value(fault)) + closed;
     case Fault::kPeerExited:
       return where + "rank " + std::to_string(detail) + "'s process ended" + closed;
-    case Fault::kRefused: break;  // recorded with its words (refuse())
+    case Fault::kRefused:
+    case Fault::kLaunchFailed: break;  // recorded with their words (abort_call())
     case Fault::kInterrupted:
       return where + "interrupted by a signal while waiting for peers; they were told" + closed;
     case Fault::kTransport:
       return where + "the network path to rank " + std::to_string(detail) + " failed: " +
              transport_status(fault_value(fault)) + closed;
+    case Fault::kPeersExited:
     case Fault::kNone: break;
   }
   return where + "unknown fault " + std::to_string(fault) + closed;
@@ -512,14 +603,33 @@ void Communicator::fail(uint64_t fault, const std::string& this_call) {
       ROCENANTE_THROW(PeerAborted, what);
     case Fault::kRefused: ROCENANTE_THROW(InvalidArgument, what);
     case Fault::kInterrupted: ROCENANTE_THROW(Interrupted, what);
+    case Fault::kLaunchFailed: ROCENANTE_THROW(Error, what);
     default: ROCENANTE_THROW(PeerAborted, what);
   }
 }
 
 void Communicator::close() {
+  if (in_forked_child()) {
+    // The regions, sockets, queue pairs, proxy thread, kernel state and watchdog entry are the creator's: shared
+    // with it (a shutdown() or a destroyed queue pair would end its connections), or copied in whatever state
+    // its other threads held them (locks included). Nothing of them is touched here; the child's copies go
+    // when it exits.
+    (void)transport_.release();
+    (void)kernel_.release();
+    if (timeline_mapping_) new std::shared_ptr<void>(std::move(timeline_mapping_));  // its deleter calls CUDA
+    return;
+  }
+  std::lock_guard<std::mutex> lock(issue_);  // no call is issued from here on
+  // Our kernels end before the regions they use go, and the watchdog watches for them until then: a peer that
+  // ends meanwhile stops their waits, and their faults are relayed to the network peers (watch()).
+  // Bounded: each launch's waits end within the timeout, and once one faulted the later ones end at once; past
+  // the bound (a launch stuck behind other work) the whole device is waited for.
+  if (kernel_ != nullptr && transport_ != nullptr)
+    kernel_->wait_idle(captured_ ? kNoEpoch : launched_, 2 * timeout_s_ + 10);
   Watchdog::remove(this);  // from here on the watchdog no longer reads this communicator
-  std::lock_guard<std::mutex> lock(issue_);
-  kernel_.reset();  // waits for our kernels before the regions they write go away
+  std::unique_lock<std::shared_mutex> gone(lifetime_);
+  if (kernel_ != nullptr) count_on_device(-1);
+  kernel_.reset();
   transport_.reset();
   for (int& fd : pidfds_)
     if (fd >= 0) ::close(fd), fd = -1;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,12 @@ enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 // software wire (loopback, a test vehicle).
 enum class Net : uint32_t { kDirect = 0, kIb = 1, kTcp = 2 };
 
+// A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
+// CPU or GPU), the process's identity (pid, start time), then the transport's part (communicator.cc).
+constexpr uint32_t kConfigMagic = 0x524f4335;  // "ROC5": bump when the protocol or the handle changes
+constexpr size_t kConfigBytes = 24;
+constexpr size_t kHandleHeaderBytes = 40;
+
 class Communicator {
  public:
   // Longest wait for a peer, in seconds (about 31.7 years); longer timeouts, infinity included, are clamped to
@@ -35,8 +42,9 @@ class Communicator {
 
   // device < 0: CPU memory; otherwise the CUDA device ordinal. net: how every peer is reached; Net::kIb takes
   // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
+  // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {});
+               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -50,7 +58,7 @@ class Communicator {
   // out[i] = op over ranks of in[i], for `count` elements. CPU: returns when done. GPU: enqueues one kernel on
   // `stream` and returns; a fault that kernel hits is raised by the next call or by check(). Calls from any
   // thread and stream execute in the order they are issued here. Returns the call's number (its epoch, as long
-  // as no captured graph has replayed calls: see captured()); 0 for an empty call.
+  // as no captured graph has replayed calls: see captured()); for an empty call the previous call's.
   uint32_t all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
   // Whether all_reduce_add_rmsnorm() serves `count` elements of `dtype` in rows of `hidden`: a GPU communicator,
   // and a call the kernel fuses (fuses_add_rmsnorm(), device/oneshot_kernel.h) of one piece. It depends only on
@@ -70,6 +78,7 @@ class Communicator {
   [[noreturn]] void refuse(const std::string& why);
   // Raises the communicator's fault, if it has one (a kernel's, a peer's, a refusal); otherwise nothing.
   void check();
+  // Releases what the communicator holds; idempotent. In a forked child it releases nothing (the creator's).
   void close();
 
   // For the watchdog thread (watchdog.h): reads the peers' process handles and the kernel's fault record.
@@ -77,11 +86,14 @@ class Communicator {
 
   // True after close(), and after a fault.
   bool closed() const { return transport_ == nullptr || fault_.load() != 0; }
-  // The call number (epoch) of the recorded fault, 0 if none.
-  uint32_t fault_call();
+  // Whether a fault is recorded that struck at or before call `call` (a number all_reduce() returned), across
+  // the wrap of the call numbers; once a graph has replayed calls, whose numbers the host does not see, any
+  // fault.
+  bool faulted_by(uint32_t call);
   // Whether a call was captured in a CUDA graph: its replays advance the device's call numbers unseen here.
   bool captured() const { return captured_; }
-  // GPU: true once all work enqueued on `stream` so far has completed (false while it captures).
+  // GPU: true once all work enqueued on `stream` so far has completed (false while it captures); true after
+  // close(), which waited for this communicator's work.
   bool stream_done(uintptr_t stream) const;
   int rank() const { return rank_; }
   int world() const { return world_; }
@@ -105,6 +117,16 @@ class Communicator {
                              uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;
   // The arguments every call of this communicator shares (its rank, regions, transports, timeout).
   AllReduceArgs call_args(DType dtype, ReduceOp op) const;
+  // Raises what stops a call before it is numbered: closed, faulted, a dtype or op refused alike everywhere.
+  void check_issuable(DType dtype, ReduceOp op);
+  // Numbers one call of the protocol and issues it (communicator.cc); the host loop's fault, else 0.
+  uint64_t issue(const AllReduceArgs& a, uintptr_t stream, uint32_t& epoch);
+  // In a process forked from the creator (fork() after the communicator was built): every call raises, and
+  // close() releases nothing the creator shares (communicator.cc).
+  bool in_forked_child() const;
+  void refuse_in_forked_child() const;
+  // Faults call `epoch`, which the peers have started and this rank cannot make (`why`), tells them, raises.
+  [[noreturn]] void abort_call(uint64_t fault, uint32_t epoch, const std::string& why);
   // Records `fault` (the first one stays) for call `epoch`, with its words if they are known already (a
   // refusal's); true if it was the first.
   bool record(uint64_t fault, uint32_t epoch, const std::string& words = "");
@@ -118,6 +140,9 @@ class Communicator {
   [[noreturn]] void fail(uint64_t fault, const std::string& this_call);
   std::string describe(uint64_t fault, uint32_t epoch, const std::string& this_call) const;
   void tell_peers(uint64_t fault, uint32_t epoch);
+  // Counts this GPU communicator among its device's open ones (+1, -1); whether another is open there.
+  void count_on_device(int delta);
+  bool shares_device() const;
 
   int rank_;
   int world_;
@@ -125,6 +150,7 @@ class Communicator {
   double timeout_s_;
   OnFault on_fault_;
   RegionLayout layout_;
+  uint32_t first_epoch_;
   uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
   uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
   std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into
@@ -133,8 +159,12 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order
-  std::atomic<uint32_t> issued_{0};        // the epoch of the last call (piece) issued; calls start at 1
+  // Guards kernel_ and transport_ for what runs beside the calls (check(), fault_call(), stream_done(), the
+  // watchdog's watch(), from any thread, the GIL not held): shared there, exclusive where close() resets them.
+  mutable std::shared_mutex lifetime_;
+  std::atomic<uint32_t> issued_;           // the epoch of the last call (piece) issued, from first_epoch_ on
   size_t reset_span_ = 0;                  // CPU path: span_bytes() of the last call, reset by the next one
+  uint32_t launched_;                      // GPU path: the device's call counter once every launch so far ended
   std::atomic<bool> captured_{false};
   std::mutex recording_;                   // guards the fault record's writes and message_
   std::atomic<uint64_t> fault_{0};         // the first fault this rank knows of (0: none); written last
@@ -142,6 +172,9 @@ class Communicator {
   std::string message_;                    // the fault in words, once known
   std::atomic<bool> reported_{false};
   std::vector<int> pidfds_;   // one per peer whose process the watchdog can watch, else -1
+  uint32_t exited_ = 0;       // peers whose process the watchdog saw end (kPeersExited)
+  int64_t creator_pid_;       // the process that built this communicator
+  uint32_t forks_at_creation_;  // forks counted in this process then (in_forked_child())
 
   static InterruptCheck interrupt_check_;
 };

@@ -113,8 +113,8 @@ inline void cpu_relax() {
 // core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
-  Backoff(const AllReduceArgs& a, InterruptCheck interrupted)
-      : a_(a), interrupted_(interrupted), start_(Clock::now()),
+  Backoff(const AllReduceArgs& a, int source, InterruptCheck interrupted)
+      : a_(a), source_(source), interrupted_(interrupted), start_(Clock::now()),
         deadline_(start_ + std::chrono::nanoseconds(a.timeout_ns)) {}
   // 0 to keep waiting, or the fault that ends the wait (kPeerTimeout's detail is left for the caller).
   uint64_t pause() {
@@ -130,7 +130,8 @@ class Backoff {
       sleep_us_ = std::min<uint32_t>(sleep_us_ * 2 + 1, 100);
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
     }
-    if (const uint64_t f = abort_seen(a_, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); })) return f;
+    const auto acquire = [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); };
+    if (const uint64_t f = abort_seen(a_, 1u << source_, acquire)) return f;
     const Clock::time_point now = Clock::now();
     if (interrupted_ != nullptr && now >= next_signal_check_) {
       next_signal_check_ = now + std::chrono::milliseconds(10);
@@ -148,6 +149,7 @@ class Backoff {
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
   static thread_local std::chrono::nanoseconds spin_;
   const AllReduceArgs& a_;
+  int source_;  // the peer waited for
   InterruptCheck interrupted_;
   Clock::time_point start_, deadline_;
   Clock::time_point next_signal_check_{};
@@ -162,7 +164,7 @@ thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 template <class Arrived>
 uint64_t wait_for(const AllReduceArgs& a, int source, InterruptCheck interrupted, Arrived arrived) {
   if (arrived()) return 0;  // the common case: no clock read
-  Backoff backoff(a, interrupted);
+  Backoff backoff(a, source, interrupted);
   // A fault ends the wait only after one more look: a peer whose call differs writes its call word before it
   // aborts, and this rank should name that call rather than relay the peer's abort.
   for (uint64_t fault = 0;; fault = backoff.pause()) {

@@ -43,7 +43,7 @@
 // every area — off the critical path, while it waits for call e's data. Why nothing stale is ever taken for
 // current data:
 //   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
-//     rank r resets during call e + 1, only after it has received r's data for call e + 1, which r sends after
+//     rank r resets during call e, only after it has received r's data for call e + 1, which r sends after
 //     it finished call e (on the GPU: the next kernel starts after the previous one completed; on the host: in
 //     program order after the reset's release fence). So the reset lands before any write of call e + 2.
 //   - Rank r resets only words it has seen arrive (every word of the span it polls, padding included), or that
@@ -129,9 +129,19 @@ ROCENANTE_HD size_t piece_bytes(size_t capacity_bytes, DType t) {
 
 // Buffer rotation (see above). The epoch wraps at a multiple of 3, so that buffer_of() keeps rotating across
 // the wrap; call words need not be unique over time, since every one is reset after use.
+// Every epoch number is legal, 0 included (a communicator's first call is 1, and after the wrap 0 follows
+// kEpochPeriod - 1); kNoEpoch, outside the period, stands for "no call" where a word must say so (Mailbox).
 constexpr int kBuffers = 3;
 constexpr uint32_t kEpochPeriod = 3u << 30;
+constexpr uint32_t kNoEpoch = 0xFFFFFFFFu;
 ROCENANTE_HD uint32_t next_epoch(uint32_t e) { return e + 1 == kEpochPeriod ? 0 : e + 1; }
+ROCENANTE_HD uint32_t previous_epoch(uint32_t e) { return e == 0 ? kEpochPeriod - 1 : e - 1; }
+// Whether call `a` came at or before call `b`, across the wrap: the calls a rank compares are never half a
+// period apart (that would take 1.6e9 calls in flight).
+ROCENANTE_HD bool epoch_at_or_before(uint32_t a, uint32_t b) {
+  const uint32_t distance = b >= a ? b - a : b + (kEpochPeriod - a);  // below kEpochPeriod: no overflow
+  return distance < kEpochPeriod / 2;
+}
 ROCENANTE_HD int buffer_of(uint32_t epoch) { return int(epoch % kBuffers); }
 ROCENANTE_HD int previous_buffer(uint32_t epoch) { return int((epoch + kBuffers - 1) % kBuffers); }
 
@@ -205,6 +215,12 @@ ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffs
 //   ring[b] = (span_bytes() << 32) | epoch of the last call that used buffer b, stored with release at system
 //     scope once every store of that call into the image is visible (the kernel: by its last CTA, after a
 //     system-scope fence); the proxy then delivers that call's call word and area span to every network peer.
+//     A reducer rings only for a call it wrote whole, call word and every chunk. The image is never reset, so
+//     a part it did not write holds an older call's words, which a peer would take for this call's: a call
+//     word of epoch e - 3 equals one of epoch e whose signature differs just so (make_flag), and any area
+//     word passes for data. A reducer that found its communicator faulted sends nothing and does not ring (nor
+//     does a launch of which any thread sent nothing); its peers, waiting for a delivery that never comes, stop
+//     at its abort word, which the host sends (Communicator::current_fault), and name its root cause.
 //   arrived[b][s] = epoch of the last call using buffer b whose delivery from network peer s has arrived whole,
 //     stored by the proxy with release; the reducer reads s's call word and area of call e only after it read
 //     (acquire) arrived[e % 3][s] == e. A wire guarantees neither placement order nor word atomicity while a
@@ -216,8 +232,8 @@ ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffs
 // cannot. The proxy counts calls exactly as the reducers do (every call goes to every peer, one delivery each),
 // so the n-th delivery it takes from a peer is that peer's call of the n-th epoch.
 struct Mailbox {
-  uint64_t ring[kBuffers];
-  uint32_t arrived[kBuffers][kMaxRanks];
+  uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
+  uint32_t arrived[kBuffers][kMaxRanks];  // kNoEpoch until the buffer's first delivery from that peer
 };
 ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
 
@@ -231,6 +247,11 @@ enum class Fault : uint32_t {
   kRefused = 5,       // detail: the rank that refused a call for a reason only it could see
   kInterrupted = 6,   // detail: the rank whose wait a signal (Ctrl-C) interrupted
   kTransport = 7,     // detail: the peer a delivery to failed; value: the verbs completion status (ibverbs.cc)
+  kLaunchFailed = 8,  // detail: the rank that could not launch (or run) a call it had numbered already
+  // Only ever in a rank's own abort word, written by its watchdog: detail, the peers whose processes ended. It
+  // ends only waits for those peers (abort_seen(), which reports kPeerExited): a peer that made its last call
+  // and exited owes nothing to a rank still receiving from others.
+  kPeersExited = 9,
 };
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;

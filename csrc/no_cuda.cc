@@ -5,7 +5,7 @@
 
 namespace rocenante {
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int, int) {
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int, int, uint32_t) {
   ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
 }
 

@@ -1,25 +1,87 @@
+"""The one place that decides, for every test, what it needs and whether this machine has it: tests under
+tests/gpu get the marker `gpu`, those under tests/rdma the marker `rdma`; a test that cannot run here is skipped
+with the reason (`pytest -rs` shows it). Also: the helpers of tests/support on the path, the environment of GPU
+tests whose ranks share a GPU, and the `net` fixture (the path a test runs on)."""
+
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "support"))
+
+import gpus  # noqa: E402
+
+FOLDER_MARKERS = {"gpu": pytest.mark.gpu, "rdma": pytest.mark.rdma}
+SHARED_GPU_ENV = "ROCENANTE_TEST_SHARED_GPU"
 
 
-def gpu_count() -> int:
-    try:
-        import torch
+def world_of(item) -> int:
+    """The number of ranks a test runs: its `world` parameter, else separate_gpus(world=N), else 2."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "world" in callspec.params:
+        return int(callspec.params["world"])
+    marker = item.get_closest_marker("separate_gpus")
+    if marker is not None and "world" in marker.kwargs:
+        return int(marker.kwargs["world"])
+    return 2
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
+
+def _rdma_skip_reason():
+    """Why RDMA tests cannot run here, or None."""
+    from rocenante import _C, _ib
+
+    if not _C.with_ibverbs:
+        return "rocenante was built without rdma-core's headers (install libibverbs-dev and rebuild)"
+    if not any(p.state == "ACTIVE" and p.link_layer == "Ethernet" for p in _ib.scan()):
+        return "no ACTIVE RoCE port on this machine: run them in the SoftRoCE VM (tests/rdma/run_in_vm.sh)"
+    return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker, so that `-m gpu` finds tests/gpu
 def pytest_collection_modifyitems(config, items):
-    count = gpu_count()
-    if count >= 2:
-        return
-    reason = f"needs 2 CUDA GPUs, this machine has {count}: GPU tests run on the GPU machine (see README)"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        folder = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+    count = gpus.count()
+    rdma_reason = _rdma_skip_reason() if any(item.get_closest_marker("rdma") for item in items) else None
+    for item in items:
+        separate = item.get_closest_marker("separate_gpus") is not None
+        if item.get_closest_marker("gpu") is not None or separate:
+            world = world_of(item)
+            if count == 0:
+                why = "needs a CUDA GPU, this machine has none: GPU tests run on a GPU machine (README, GPU tests)"
+                item.add_marker(pytest.mark.skip(reason=why))
+            elif separate and count < world:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {world} GPUs, one per rank; this machine has {count}"))
+        if rdma_reason is not None and item.get_closest_marker("rdma") is not None:
+            item.add_marker(pytest.mark.skip(reason=rdma_reason))
+
+
+@pytest.fixture(autouse=True)
+def _ranks_share_a_gpu(request, monkeypatch):
+    """A GPU test with more ranks than this machine has GPUs runs them on shared GPUs (tests/support/gpus.py):
+    ROCENANTE_TEST_SHARED_GPU=1 for its ranks (inherited at spawn) lets startup's agreement accept that and makes
+    the backend's CUDA delegate gloo, since NCCL refuses two ranks on one device."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    if gpus.shared(world_of(request.node)):
+        monkeypatch.setenv(SHARED_GPU_ENV, "1")
+    else:
+        monkeypatch.delenv(SHARED_GPU_ENV, raising=False)
+
+
+@pytest.fixture(params=["", "tcp"], ids=["direct", "tcp"])
+def net(request, monkeypatch):
+    """The path a test's ranks take, as ROCENANTE_NET (inherited at spawn): "" peers on this host directly (shared
+    memory with CPU tensors, CUDA IPC with GPU tensors), "tcp" every peer through the TCP software wire on loopback
+    (the network path). A test asking for `net` runs on both; @pytest.mark.parametrize("net", ..., indirect=True)
+    picks its own."""
+    if request.param:
+        monkeypatch.setenv("ROCENANTE_NET", request.param)
+    else:
+        monkeypatch.delenv("ROCENANTE_NET", raising=False)
+    return request.param

@@ -15,8 +15,8 @@
 //
 // Network peers (RDMA, the TCP wire: AllReduceArgs::network) are served by the same loop: the push goes into this
 // rank's image of their regions in pinned host memory, the last CTA to finish its stores rings the proxy's
-// doorbell, and a thread reads a network peer's call word and chunks only after that peer's arrival word says
-// its delivery of this call is whole (layout.h, Mailbox). The kernel serves direct and network peers side by
+// doorbell (if the launch sent the whole call), and a thread reads a network peer's call word and chunks only
+// after that peer's arrival word says its delivery of this call is whole (layout.h, Mailbox). The kernel serves direct and network peers side by
 // side; the communicator does not build such mixed communicators yet.
 //
 // No CTA waits for another CTA and no thread waits for anything but its own chunks and the call words, so there
@@ -28,7 +28,9 @@
 // norm_out alike).
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "../chunk_reduce.h"
@@ -64,7 +66,8 @@ struct DeviceState {
   uint32_t* spans;
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
-  // Network peers: CTAs of this launch that have finished their stores into the images (ring_doorbell()).
+  // Network peers: CTAs of this launch that have finished their stores into the images, and those of them
+  // that sent nothing (ring_doorbell()).
   uint32_t* sent;
 };
 
@@ -94,15 +97,23 @@ __device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint6
       store_release_sys(abort_word(a.peer[p], a.rank), abort_from(fault, epoch));
 }
 
+// DeviceState::sent counts each CTA once, plus kUnsent for a CTA of which some thread sent nothing.
+constexpr uint32_t kUnsent = 1u << 16;  // above any CTA count (kMaxBlocks)
+static_assert(kMaxBlocks < kUnsent, "the low half of DeviceState::sent counts CTAs");
+
 // Network peers: the last CTA to finish its stores into the images rings this call's doorbell, once every
-// CTA's stores are visible to the proxy (layout.h, Mailbox). Every thread of the launch takes part (the
-// barrier), whether or not it sent anything: a thread that saw a fault sent nothing, and its chunks stay kEmpty
-// in the delivered image, which no peer takes for data.
-__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer, size_t span) {
+// CTA's stores are visible to the proxy, and only if every thread of the launch sent its chunks (`sent`: a
+// thread that found the communicator faulted sent nothing; CTAs read the fault mask at different times): a
+// call not written whole is never delivered (layout.h, Mailbox). Every thread of the launch takes part.
+__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer, size_t span,
+                              bool sent) {
   __threadfence_system();  // this thread's image stores, before its CTA is counted
-  __syncthreads();
-  if (threadIdx.x != 0 || atomicAdd(s.sent, 1) != gridDim.x - 1) return;
+  const bool all_sent = __syncthreads_and(sent);
+  if (threadIdx.x != 0) return;
+  const uint32_t before = atomicAdd(s.sent, all_sent ? 1u : 1u + kUnsent);
+  if (before % kUnsent != gridDim.x - 1) return;
   *s.sent = 0;  // for the next launch, which starts after this one completed
+  if (!all_sent || before >= kUnsent) return;
   __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
   note(a, epoch, kKernelRing);
   store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
@@ -113,7 +124,7 @@ __device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint
 __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
                                   uint32_t pending) {
   if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
-  if (const uint64_t f = abort_seen(a, [](const uint64_t* w) { return load_acquire_sys(w); })) return f;
+  if (const uint64_t f = abort_seen(a, pending, [](const uint64_t* w) { return load_acquire_sys(w); })) return f;
   return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
@@ -204,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     }
   }
 
-  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D));
+  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D), !failed);
 
   // Reset the previous call's buffer while our data travels (layout.h says why it is free by now).
   const int previous = previous_buffer(epoch);
@@ -416,7 +427,7 @@ LaunchBounds launch_bounds(int world, int multiprocessors) {
 
 class CudaOneshotKernel final : public OneshotKernel {
  public:
-  CudaOneshotKernel(int device, int world) : device_(device) {
+  CudaOneshotKernel(int device, int world, uint32_t first_epoch) : device_(device) {
     DeviceGuard guard(device_);
     try {
       int multiprocessors = 0;
@@ -432,7 +443,7 @@ class CudaOneshotKernel final : public OneshotKernel {
       state_.spans = state_.fault_mask + 1;
       state_.sent = state_.spans + kBuffers;
       std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
-      std::fill(init.begin(), init.begin() + kMaxBlocks, 1);     // every rank starts at epoch 1
+      std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord), cudaHostAllocMapped));
       *host_ = FaultRecord{};
@@ -448,8 +459,16 @@ class CudaOneshotKernel final : public OneshotKernel {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    cudaDeviceSynchronize();  // no kernel of ours may still use the state
-    release();
+    release();  // after wait_idle() (Communicator::close): no kernel of ours uses the state any more
+    cudaSetDevice(previous);
+  }
+
+  void wait_idle(uint32_t next, double bound_s) noexcept override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    if (next == kNoEpoch || !epochs_reach(next, bound_s)) cudaDeviceSynchronize();
+    cudaGetLastError();  // a failure here is not the next launch's error (cuda_check.h)
     cudaSetDevice(previous);
   }
 
@@ -546,6 +565,32 @@ class CudaOneshotKernel final : public OneshotKernel {
     ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(stream, order_event_, 0));
   }
 
+  // Polls every epoch copy (each launch advances each copy once, at the end of the CTA that owns it) until all
+  // hold `next`, through a stream of its own that waits for nothing else. False if CUDA failed or `bound_s` passed.
+  bool epochs_reach(uint32_t next, double bound_s) noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(bound_s);
+    cudaStream_t probe = nullptr;
+    uint32_t* copies = nullptr;
+    bool reached = false;
+    if (cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) == cudaSuccess &&
+        cudaHostAlloc(reinterpret_cast<void**>(&copies), state_.copies * sizeof(uint32_t), cudaHostAllocDefault) ==
+            cudaSuccess) {
+      while (cudaMemcpyAsync(copies, state_.epochs, state_.copies * sizeof(uint32_t), cudaMemcpyDeviceToHost, probe) ==
+                 cudaSuccess &&
+             cudaStreamSynchronize(probe) == cudaSuccess) {
+        if (std::all_of(copies, copies + state_.copies, [next](uint32_t e) { return e == next; })) {
+          reached = true;
+          break;
+        }
+        if (std::chrono::steady_clock::now() > deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    if (copies != nullptr) cudaFreeHost(copies);
+    if (probe != nullptr) cudaStreamDestroy(probe);
+    return reached;
+  }
+
   void release() noexcept {
     if (order_event_ != nullptr) cudaEventDestroy(order_event_);
     if (state_.epochs != nullptr) cudaFree(state_.epochs);
@@ -562,8 +607,8 @@ class CudaOneshotKernel final : public OneshotKernel {
 
 }  // namespace
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world) {
-  return std::make_unique<CudaOneshotKernel>(device, world);
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world, uint32_t first_epoch) {
+  return std::make_unique<CudaOneshotKernel>(device, world, first_epoch);
 }
 
 }  // namespace rocenante

@@ -52,6 +52,12 @@ class OneshotKernel {
   virtual bool stream_done(uintptr_t stream) const = 0;
   // The first fault a kernel recorded (word 0 if none). Any thread may call it.
   virtual FaultRecord fault() const = 0;
+  // Returns once this communicator's launches so far have completed: with `next_epoch` the call number that
+  // follows the last one launched (every launch was eager), by watching the device's call counter, so that other
+  // work on the device (the user's, other communicators') is not waited for; with kNoEpoch (calls were captured,
+  // and a graph may replay them on any stream), or if the counter has not got there within `bound_s`, by waiting
+  // for the whole device. Never throws. The object may be destroyed only after it returned.
+  virtual void wait_idle(uint32_t next_epoch, double bound_s) noexcept = 0;
   // Network transports: pins host memory [host, host + bytes) and maps it for the kernel (the receive region, the
   // image, the mailbox), its device address in `device_address`. The mapping lasts as long as the returned
   // handle (which may outlive this object); release it before the memory is freed, and after our kernels ended.
@@ -62,6 +68,7 @@ class OneshotKernel {
 #endif
 };
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world);
+// Its first launch is call `first_epoch`.
+std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world, uint32_t first_epoch);
 
 }  // namespace rocenante

@@ -162,7 +162,6 @@ struct HandleHeader {
   uint64_t region_bytes;
 };
 static_assert(sizeof(HandleHeader) == 16, "HandleHeader travels as raw bytes: no implicit padding");
-constexpr uint32_t kHandleMagic = 0x52494231;  // "RIB1"
 
 int mtu_bytes(uint32_t mtu) { return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128 << mtu : 0; }
 
@@ -214,8 +213,15 @@ class IbverbsWire final : public Wire {
     void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     block_ = static_cast<char*>(block);
-    // Empty before any peer can write into it (layout.h); the image and staging start as zeros, which nothing
-    // reads before this rank wrote them.
+    // A forked child gets none of the registered memory: pinned pages shared with a child would be the NIC's
+    // and the child's at once (the child never uses the communicator: Communicator::in_forked_child()).
+    if (madvise(block_, block_bytes_, MADV_DONTFORK) != 0) {
+      munmap(block_, block_bytes_);
+      throw_system_error("madvise(MADV_DONTFORK)", __FILE__, __LINE__);
+    }
+    // Empty before any peer can write into it (layout.h); the image and staging start as zeros, which no peer
+    // reads: the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring),
+    // and an abort word only once it is staged.
     for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
     devices_.reserve(world_);
     try {
@@ -260,7 +266,7 @@ class IbverbsWire final : public Wire {
   ~IbverbsWire() override { release(); }
 
   std::string local_handle() const override {
-    const HandleHeader h{kHandleMagic, uint32_t(world_), bytes_};
+    const HandleHeader h{kRdmaHandleMagic, uint32_t(world_), bytes_};
     std::string s(reinterpret_cast<const char*>(&h), sizeof(h));
     for (const PeerLink& l : links_) s.append(reinterpret_cast<const char*>(&l.local), sizeof(Endpoint));
     return s;
@@ -279,7 +285,7 @@ class IbverbsWire final : public Wire {
                                    std::to_string(sizeof(HandleHeader) + world_ * sizeof(Endpoint)) +
                                    " (is every rank using RDMA? ROCENANTE_NET must agree)");
       std::memcpy(&hh, h.data(), sizeof(hh));
-      if (hh.magic != kHandleMagic || hh.world != uint32_t(world_) || hh.region_bytes != bytes_)
+      if (hh.magic != kRdmaHandleMagic || hh.world != uint32_t(world_) || hh.region_bytes != bytes_)
         ROCENANTE_THROW(Error, who + " published an RDMA handle that does not match this rank's (magic, world or "
                                      "region size differ)");
       std::memcpy(&l.remote, h.data() + sizeof(HandleHeader) + size_t(rank_) * sizeof(Endpoint), sizeof(Endpoint));

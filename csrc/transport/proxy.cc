@@ -51,11 +51,16 @@ void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
 
 class Proxy final : public Transport {
  public:
-  Proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline)
-      : rank_(rank), layout_(layout), wire_(std::move(wire)), kernel_(kernel), timeline_(timeline) {
+  Proxy(int rank, const RegionLayout& layout, uint32_t first_epoch, std::unique_ptr<Wire> wire, OneshotKernel* kernel,
+        Timeline* timeline)
+      : rank_(rank), layout_(layout), first_epoch_(first_epoch), wire_(std::move(wire)), kernel_(kernel),
+        timeline_(timeline) {
     void* page = mmap(nullptr, sizeof(Mailbox), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (page == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
-    mailbox_ = new (page) Mailbox{};  // ring and arrival words 0: no epoch (calls start at 1)
+    mailbox_ = new (page) Mailbox{};
+    for (uint64_t& r : mailbox_->ring) r = ring_word(0, kNoEpoch);
+    for (auto& per_buffer : mailbox_->arrived)
+      for (uint32_t& e : per_buffer) e = kNoEpoch;
     try {
       region_ = wire_->local_region();
       image_ = wire_->peer_region(rank == 0 ? 1 : 0);
@@ -96,12 +101,12 @@ class Proxy final : public Transport {
   void run() {
     prctl(PR_SET_TIMERSLACK, kTimerSlackNs);
     const int world = layout_.world;
-    uint32_t send = 1;  // the next epoch to send (calls start at 1, as the reducers count)
+    uint32_t send = first_epoch_;  // the next epoch to send (the reducers count from the same first call)
     bool sending = false;
-    uint32_t rung = 0;  // the last epoch rung: the reducer's current call (0: none yet)
+    uint32_t rung = kNoEpoch;  // the last epoch rung: the reducer's current call (kNoEpoch: none yet)
     uint32_t receive[kMaxRanks];  // per peer, the epoch of its next delivery
     bool closed[kMaxRanks] = {};
-    for (uint32_t& e : receive) e = 1;
+    for (uint32_t& e : receive) e = first_epoch_;
     auto last_work = std::chrono::steady_clock::now();
     std::chrono::steady_clock::time_point drain_until{};
     while (true) {
@@ -154,7 +159,7 @@ class Proxy final : public Transport {
         }
         // A closed peer fails this rank only once this rank is in a call that peer has not delivered.
         for (int p = 0; p < world && fault == 0; ++p)
-          if (closed[p] && rung != 0 && receive[p] == rung)
+          if (closed[p] && rung != kNoEpoch && receive[p] == rung)
             fault = encode_fault(Fault::kTransport, uint32_t(p), kConnectionClosed);
         if (fault != 0) {
           wire_->post_abort(rank_, fault);
@@ -194,6 +199,7 @@ class Proxy final : public Transport {
 
   int rank_;
   RegionLayout layout_;
+  uint32_t first_epoch_;
   std::unique_ptr<Wire> wire_;
   OneshotKernel* kernel_;
   Timeline* timeline_;  // timeline builds only
@@ -209,9 +215,9 @@ class Proxy final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
-                                      OneshotKernel* kernel, Timeline* timeline) {
-  return std::make_unique<Proxy>(rank, layout, std::move(wire), kernel, timeline);
+std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
+                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline) {
+  return std::make_unique<Proxy>(rank, layout, first_epoch, std::move(wire), kernel, timeline);
 }
 
 std::string transport_status(uint32_t status) {

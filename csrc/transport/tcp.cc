@@ -79,8 +79,8 @@ constexpr unsigned kMaxSegmentLog2 = 10;
 // Yields of the receiver thread while it places one round, evenly spaced, so that a reader polling the region
 // meets rounds half placed; a few per round, not one every few segments, which made 4 MiB rounds 100x slower
 // beside spinning threads on 2 cores. Measured with the host loop reading a peer's words without waiting for
-// its arrival word, test_cpu_net's every-dtype and back-to-back tests failed 8 times in 3 runs of the 3 (int32
-// sums came out wrong), and 0 times in 2 runs without yields.
+// its arrival word, the every-dtype and back-to-back tests over this wire (then in tests/test_cpu_net.py)
+// failed 8 times in 3 runs of the 3 (int32 sums came out wrong), and 0 times in 2 runs without yields.
 constexpr size_t kYieldsPerRound = 3;
 // Messages gathered into one sendmsg() (two iovecs each: header and payload).
 constexpr int kBatch = 16;
@@ -95,7 +95,6 @@ struct TcpHandle {
   uint32_t rank;   // the publisher's
 };
 static_assert(sizeof(TcpHandle) == 32, "TcpHandle travels as raw bytes: no implicit padding");
-constexpr uint32_t kHandleMagic = 0x52544331;  // "RTC1"
 
 // The first bytes on every connection, from the connecting rank.
 struct Hello {
@@ -104,7 +103,6 @@ struct Hello {
   uint64_t nonce;  // the receiver's, from its handle
 };
 static_assert(sizeof(Hello) == 16, "Hello travels as raw bytes: no implicit padding");
-constexpr uint32_t kHelloMagic = 0x52544348;  // "RTCH"
 
 enum Kind : uint32_t { kWrite = 1, kSignal = 2, kAbort = 3 };
 struct Header {
@@ -210,8 +208,8 @@ class TcpWire final : public Wire {
     if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     block_ = static_cast<char*>(block);
     try {
-      // Empty before any peer can write into it (layout.h); the image starts as zeros, which nothing reads
-      // before this rank wrote them.
+      // Empty before any peer can write into it (layout.h); the image starts as zeros, which no peer reads:
+      // the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring).
       for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
       std::random_device rd;
       nonce_ = (uint64_t(rd()) << 32) | rd();
@@ -233,7 +231,7 @@ class TcpWire final : public Wire {
   ~TcpWire() override { release(); }
 
   std::string local_handle() const override {
-    const TcpHandle h{kHandleMagic, uint32_t(world_), bytes_, nonce_, port_, uint32_t(rank_)};
+    const TcpHandle h{kTcpHandleMagic, uint32_t(world_), bytes_, nonce_, port_, uint32_t(rank_)};
     return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
   }
 
@@ -355,7 +353,7 @@ class TcpWire final : public Wire {
                                  " bytes, expected " + std::to_string(sizeof(TcpHandle)) +
                                  " (is every rank on the TCP wire? ROCENANTE_NET must agree)");
     std::memcpy(&t, h.data(), sizeof(t));
-    if (t.magic != kHandleMagic)
+    if (t.magic != kTcpHandleMagic)
       ROCENANTE_THROW(Error, who(p) + " published a handle that is not a TCP wire's (is every rank on the TCP "
                                       "wire? ROCENANTE_NET must agree)");
     if (t.world != uint32_t(world_) || t.region_bytes != bytes_ || t.rank != uint32_t(p))
@@ -388,7 +386,7 @@ class TcpWire final : public Wire {
       ROCENANTE_CHECK_SYS(getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len));
       if (err != 0) ROCENANTE_THROW(Error, "cannot connect to " + where + ": " + std::strerror(err));
     }
-    const Hello hello{kHelloMagic, uint32_t(rank_), h.nonce};
+    const Hello hello{kTcpHelloMagic, uint32_t(rank_), h.nonce};
     // A fresh connection's send buffer takes these 16 bytes at once.
     if (send(fd, &hello, sizeof(hello), MSG_DONTWAIT | MSG_NOSIGNAL) != ssize_t(sizeof(hello)))
       ROCENANTE_THROW(Error, "cannot greet " + where + ": " + std::strerror(errno));
@@ -410,7 +408,7 @@ class TcpWire final : public Wire {
       }
       const int from = int(hello.rank);
       std::string bad;
-      if (hello.magic != kHelloMagic) bad = "is not from rocenante's TCP wire";
+      if (hello.magic != kTcpHelloMagic) bad = "is not from rocenante's TCP wire";
       else if (hello.rank >= uint32_t(world_) || from == rank_) bad = "claims rank " + std::to_string(hello.rank);
       else if (peers_[from].in >= 0) bad = "claims rank " + std::to_string(from) + ", which is connected already";
       else if (hello.nonce != nonce_) bad = "from rank " + std::to_string(from) + " carries another nonce (a peer "

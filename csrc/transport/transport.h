@@ -85,9 +85,15 @@ std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, co
 std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout);
 // Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
 // loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
-// `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null.
-std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, std::unique_ptr<Wire> wire,
-                                      OneshotKernel* kernel, Timeline* timeline);
+// `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null. The reducers'
+// calls are numbered from `first_epoch`.
+std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
+                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline);
+// The magics at the head of the wires' handles (and of the TCP wire's hello), bumped when a format changes;
+// exposed to tests by the bindings (rocenante._C.wire).
+constexpr uint32_t kTcpHandleMagic = 0x52544331;   // "RTC1" (tcp.cc, TcpHandle)
+constexpr uint32_t kTcpHelloMagic = 0x52544348;    // "RTCH" (tcp.cc, Hello)
+constexpr uint32_t kRdmaHandleMagic = 0x52494231;  // "RIB1" (ibverbs.cc, HandleHeader)
 // Whether make_ibverbs_wire was built (rdma-core's headers were found at build time).
 extern const bool kWithIbverbs;
 

@@ -98,6 +98,26 @@ def strict() -> bool:
     return _flag("ROCENANTE_STRICT")
 
 
+def test_shared_gpu() -> bool:
+    """ROCENANTE_TEST_SHARED_GPU=1, for tests on a machine with fewer GPUs than ranks: the startup agreement lets
+    ranks of separate processes share a GPU (CUDA IPC works between processes of one device, and their contexts
+    take turns on it, so a call takes milliseconds: correctness, never timing), and the backend delegates CUDA
+    collectives to gloo, since NCCL refuses two ranks on one device. Never for production."""
+    return _flag("ROCENANTE_TEST_SHARED_GPU")
+
+
+def test_first_call() -> int:
+    """ROCENANTE_TEST_FIRST_CALL, for tests of the call numbers' wrap: the number of every communicator's first
+    call (default 1; calls count modulo _C.wire.epoch_period, about 3.2e9, which serving reaches in days).
+    Every rank must set it alike (the communicators' configurations are compared)."""
+    raw = os.environ.get("ROCENANTE_TEST_FIRST_CALL", "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) >= _C.wire.epoch_period:
+        raise ValueError(f"ROCENANTE_TEST_FIRST_CALL={raw!r}: use a call number below {_C.wire.epoch_period}")
+    return int(raw)
+
+
 def vllm() -> bool:
     """ROCENANTE_VLLM=1: the vLLM plugin (rocenante.vllm) makes vLLM build rocenante's communicator."""
     return _flag("ROCENANTE_VLLM")

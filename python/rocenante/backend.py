@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
-from rocenante import startup
+from rocenante import _env, startup
 from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
 
 logger = logging.getLogger("rocenante")
@@ -55,10 +55,8 @@ class _Work(Work):
     def _raise_fault(self):
         """Raises the communicator's fault if it struck at or before this call (once a graph has replayed
         calls, whose numbers the host does not see, any fault)."""
-        if self._comm is not None:
-            fault_call = self._comm._c.fault_call
-            if fault_call and (fault_call <= self._call or self._comm._c.captured):
-                self._comm._c.check()
+        if self._comm is not None and self._comm._c.faulted_by(self._call):
+            self._comm._c.check()
 
     def wait(self, timeout=None):
         self._raise_fault()
@@ -98,7 +96,11 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._fallback = {"cpu": ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)}
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._fallback["cpu"])
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        if torch.cuda.is_available() and dist.is_nccl_available():
+        if torch.cuda.is_available() and _env.test_shared_gpu():  # NCCL refuses ranks sharing a GPU (_env)
+            gloo = ProcessGroupGloo(dist.PrefixStore("gloo-cuda/", store), rank, size, timeout)
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
+            self._fallback["cuda"] = gloo
+        elif torch.cuda.is_available() and dist.is_nccl_available():
             from torch._C._distributed_c10d import ProcessGroupNCCL
 
             options = ProcessGroupNCCL.Options()
@@ -120,7 +122,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         exchange = startup.store_exchange(store, f"rocenante/selftest/{device_type}", rank, size, timeout)
         comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
         started = startup.open_agreed(exchange, comm_store, rank, size, device_type, group_name, device_type)
-        fallback = "gloo" if device_type == "cpu" else "nccl"
+        fallback = "gloo" if isinstance(self._fallback[device_type], ProcessGroupGloo) else "nccl"
         self._status[device_type] = {
             "active": started.comm is not None,
             "reason": started.why,

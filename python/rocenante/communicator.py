@@ -187,7 +187,7 @@ class Communicator:
                 paths = [(p.device, p.port, p.gid_index) if p is not None else ("", 0, 0) for p in chosen]
             net = {"shm": _C.Net.direct, "ib": _C.Net.ib, "tcp": _C.Net.tcp}[self.net]
             self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, net,
-                                      paths)
+                                      paths, _env.test_first_call())
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
@@ -374,7 +374,8 @@ class Communicator:
         return self._c.closed
 
     def close(self) -> None:
-        """Releases the communicator's memory. Idempotent."""
+        """Releases the communicator once its own calls have ended (README, "Guarantees": close()). Idempotent.
+        In a process forked from the one that built it, releases nothing of the creator's."""
         self._c.close()
 
     def __enter__(self) -> "Communicator":

@@ -1,9 +1,10 @@
 """An independent peer written with pyverbs (rdma-core's own binding) joins a 2-rank communicator as rank 1:
 it publishes a handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
 them (a zero-length RDMA WRITE WITH IMMEDIATE carrying its signal count), and reads what rank 0 wrote into its
-own region once rank 0's signal arrived. Every offset and format below is derived here from what csrc/layout.h
-and csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's
-code, so this checks the wire layout and the signalling against rdma-core's binding."""
+own region once rank 0's signal arrived. Every offset and format of the region and the wire below is derived here
+from what csrc/layout.h and csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not
+from rocenante's code, so this checks the wire layout and the signalling against rdma-core's binding; only the
+handle's framing (the core's magics and header sizes) comes from rocenante._C.wire."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 import rocenante
 from multiproc import expect_ok, run_ranks
-from rocenante import _env, _ib
+from rocenante import _C, _env, _ib
 
 WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
 HEADER, CALL_WORDS, MAX_RANKS, BUFFERS = 512, 64, 8, 3
@@ -83,16 +84,19 @@ def _pyverbs_rank(store, mtu_drop):
 
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
     store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
-    config = struct.pack("<IIQiI", 0x524F4334, WORLD, CAPACITY, 0, 0)  # "ROC4", world, capacity, CPU, padding
+    config = struct.pack("<IIQiI", _C.wire.config_magic, WORLD, CAPACITY, 0, 1)  # world, capacity, CPU, first call
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
+    assert (len(config), len(config + identity)) == (_C.wire.config_bytes, _C.wire.handle_header_bytes)
     gid = bytes.fromhex(path.gid.replace(":", ""))
     endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, mtu_code)
     # Entry q of a handle is what rank q needs: ours for rank 0, then an unused one for ourselves.
-    handle = config + identity + struct.pack("<IIQ", 0x52494231, WORLD, REGION) + endpoint + bytes(40)
+    rdma = struct.pack("<IIQ", _C.wire.rdma_handle_magic, WORLD, REGION)
+    handle = config + identity + rdma + endpoint + bytes(len(endpoint))
     store.set(f"{prefix}/handle/1", handle)
     _wait(store, [f"{prefix}/handle/0"], "rank 0's handle")
-    theirs = store.get(f"{prefix}/handle/0")[24 + 16:]
-    assert struct.unpack_from("<IIQ", theirs) == (0x52494231, WORLD, REGION), "rank 0's RDMA handle header"
+    theirs = store.get(f"{prefix}/handle/0")[_C.wire.handle_header_bytes:]
+    assert struct.unpack_from("<IIQ", theirs) == (_C.wire.rdma_handle_magic, WORLD, REGION), \
+        "rank 0's RDMA handle header"
     dgid, (qpn, their_psn, addr, rkey, mtu) = theirs[16 + 40:16 + 56], struct.unpack_from("<IIQII", theirs, 16 + 56)
 
     attr = QPAttr(qp_state=e.IBV_QPS_INIT)

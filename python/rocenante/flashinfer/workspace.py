@@ -13,7 +13,7 @@ from rocenante.communicator import _DTYPES
 
 # FlashInfer's defaults for the arguments that shape its own kernels (flashinfer/comm/pcie_ipc_collectives/
 # _constants.py AR_MAX_BLOCKS, pcie_ipc_tuning.py TUNE_WARMUP / TUNE_REPEAT), repeated so that the signatures
-# match (tests/test_cpu_flashinfer.py compares them with the installed FlashInfer's).
+# match (tests/cpu/test_cpu_flashinfer.py compares them with the installed FlashInfer's).
 _FLASHINFER_AR_MAX_BLOCKS = 128
 _FLASHINFER_TUNE_WARMUP = 10
 _FLASHINFER_TUNE_REPEAT = 50

@@ -1,5 +1,5 @@
 """AllReduceRouter: which of a vLLM group's all-reduces rocenante serves. vLLM-free, so that it is tested where
-vLLM is not installed (tests/test_cpu_vllm.py, tests/test_gpu_plugins.py)."""
+vLLM is not installed (tests/cpu/test_cpu_vllm.py, tests/gpu/test_gpu_plugins.py)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,24 @@
-"""The "rocenante" torch.distributed backend on 2 GPUs: CUDA all-reduce through the kernel, NCCL for the rest,
-CUDA graphs, torch.compile, DDP against NCCL, and the collective fallback."""
+"""The "rocenante" torch.distributed backend, 2 ranks on this machine's GPUs: CUDA all-reduce through the kernel,
+its delegate for the rest (NCCL; gloo where the ranks share a GPU, which NCCL refuses), CUDA graphs,
+torch.compile, DDP against the delegate's backend, and the collective fallback."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
+import gpus
 from ddp import train
 from multiproc import expect_ok, run_ranks
 from reference import make_input, sequential_fp32
 
-pytestmark = pytest.mark.gpu
+WORLD = 2
+
+
+def _delegate() -> str:
+    """The backend the rocenante backend delegates CUDA collectives to here (rocenante/backend.py)."""
+    return "gloo" if gpus.shared(WORLD) else "nccl"
 
 
 def _init(store, rank, world, backend="rocenante", env=None, **kw):
@@ -21,21 +27,22 @@ def _init(store, rank, world, backend="rocenante", env=None, **kw):
     os.environ.update(env or {})
     import rocenante  # noqa: F401
 
-    torch.cuda.set_device(rank)
+    gpus.use(rank)
     dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world, **kw)
     return dist.group.WORLD
 
 
-def _cuda_paths(store, rank, world):
+def _cuda_paths(store, rank, world, delegate):
     import torch.distributed as dist
 
     import rocenante
 
-    pg = _init(store, rank, world, device_id=torch.device("cuda", rank))  # the other tests init without device_id
+    pg = _init(store, rank, world, device_id=gpus.device_of(rank))  # the other tests init without device_id
     assert dist.get_backend() == "rocenante"
     st = rocenante.status()
     assert st["cuda"]["active"] and st["cpu"]["active"], st
-    dev = torch.device("cuda", rank)
+    assert st["cuda"]["fallback"] == delegate, st
+    dev = gpus.device_of(rank)
     calls = []
     comm = pg._comms["cuda"]
     original = comm._launch
@@ -46,7 +53,7 @@ def _cuda_paths(store, rank, world):
     dist.all_reduce(x)
     assert len(calls) == 1 and torch.equal(x.cpu(), sequential_fp32(inputs, "sum"))
     big = torch.ones(st["cuda"]["threshold_bytes"] // 4 + 1, device=dev)
-    dist.all_reduce(big)  # over the threshold: NCCL
+    dist.all_reduce(big)  # over the threshold: the delegate
     assert len(calls) == 1 and torch.equal(big, torch.full_like(big, float(world)))
 
     # async_op: wait() on another stream orders that stream after the all-reduce.
@@ -89,16 +96,17 @@ def _cuda_paths(store, rank, world):
 
 
 def test_cuda_all_reduce_graphs_and_compile_through_the_backend():
-    assert expect_ok(run_ranks(2, _cuda_paths, timeout=600)) == [True, True]
+    assert expect_ok(run_ranks(WORLD, _cuda_paths, _delegate(), timeout=300)) == [True, True]
 
 
-def _ddp_both(store, rank, world):
-    return train(store, rank, world, "rocenante", "cuda"), train(store, rank, world, "nccl", "cuda")
+def _ddp_both(store, rank, world, reference):
+    return train(store, rank, world, "rocenante", "cuda"), train(store, rank, world, reference, "cuda")
 
 
-def test_ddp_matches_nccl_bitwise():
+def test_ddp_matches_the_delegates_backend_bitwise():
     # 2 ranks: both backends add the same two fp32 gradients once (a + b == b + a): bitwise equal parameters.
-    for ours, theirs in expect_ok(run_ranks(2, _ddp_both, timeout=600)):
+    # Against NCCL; on a shared GPU against gloo (NCCL refuses two ranks on one device).
+    for ours, theirs in expect_ok(run_ranks(WORLD, _ddp_both, _delegate(), timeout=300)):
         assert ours == theirs
 
 
@@ -109,14 +117,14 @@ def _injected(store, rank, world):
 
     _init(store, rank, world, env={"ROCENANTE_TIMEOUT_S": "never"} if rank == 1 else None)
     st = rocenante.status()["cuda"]
-    x = torch.full((1000,), float(rank + 1), device=f"cuda:{rank}")
+    x = torch.full((1000,), float(rank + 1), device=gpus.device_of(rank))
     dist.all_reduce(x)
     assert torch.equal(x, torch.full_like(x, 3.0))
     dist.destroy_process_group()
     return st
 
 
-def test_fallback_injected_on_one_rank_moves_every_rank_to_nccl():
-    for st in expect_ok(run_ranks(2, _injected, timeout=300)):
-        assert not st["active"] and st["fallback"] == "nccl"
+def test_fallback_injected_on_one_rank_moves_every_rank_to_the_delegate():
+    for st in expect_ok(run_ranks(WORLD, _injected, timeout=300)):
+        assert not st["active"] and st["fallback"] == _delegate(), st
         assert "rank 1: ValueError: ROCENANTE_TIMEOUT_S='never'" in st["reason"], st

@@ -1,5 +1,5 @@
-"""What a process holds, for the leak checks of tests/test_cpu_soak.py, tests/test_gpu_soak.py and
-tests/test_gpu_hostile.py."""
+"""What a process holds, for the leak checks of tests/cpu/test_cpu_soak.py, tests/gpu/test_gpu_soak.py and
+tests/gpu/test_gpu_hostile.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_backend.py under torchrun: the script a user writes, with backend="rocenante"."""
+"""Launched by tests/cpu/test_backend.py under torchrun: the script a user writes, with backend="rocenante"."""
 
 import torch
 import torch.distributed as dist

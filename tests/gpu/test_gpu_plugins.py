@@ -1,9 +1,9 @@
-"""The serving-engine plugins on 2 GPUs, without FlashInfer or vLLM installed (the GPU machine has neither):
-rocenante.flashinfer's workspace face and both fusion patterns against the float64 reference, the add and
-RMSNorm fused into the kernel (against the reference, against the all-reduce followed by torch's ops, in place,
-and when a call fails), a CUDA graph around a transformer-like block that calls the plugin, and vLLM's
-graph_capture() driving our communicator (through a stand-in of vLLM's modules). A comparison with FlashInfer's
-own kernel runs only where FlashInfer is installed."""
+"""The serving-engine plugins, 2 ranks on this machine's GPUs, without FlashInfer or vLLM installed (the GPU
+machine has neither): rocenante.flashinfer's workspace face and both fusion patterns against the float64
+reference, the add and RMSNorm fused into the kernel (against the reference, against the all-reduce followed by
+torch's ops, in place, and when a call fails), a CUDA graph around a transformer-like block that calls the plugin,
+and vLLM's graph_capture() driving our communicator (through a stand-in of vLLM's modules; a GPU per rank). A
+comparison with FlashInfer's own kernel runs only where FlashInfer is installed."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import types
 import pytest
 import torch
 
+import gpus
 from multiproc import expect_ok, run_ranks
 from reference import add_rmsnorm_float64, check_within, digest, make_input, poison, sequential_fp32
-
-pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -25,7 +24,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 def _init(store, rank, world):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    gpus.use(rank)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
     return dist.group.WORLD
 
@@ -35,7 +34,7 @@ def _patterns(store, rank, world):
     from rocenante.flashinfer import PcieIpcAllReduceWorkspace, allreduce_fusion, create_allreduce_fusion_workspace
 
     group = _init(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     digests = []
     # The PCIe-IPC face.
     with PcieIpcAllReduceWorkspace(group, max_numel=64 * 8192) as ws:
@@ -75,7 +74,7 @@ def _patterns(store, rank, world):
 
 
 def test_workspace_face_and_both_patterns_against_float64():
-    a, b = expect_ok(run_ranks(2, _patterns, timeout=600))
+    a, b = expect_ok(run_ranks(2, _patterns, timeout=300))
     assert a == b  # every output bitwise identical on both ranks
 
 
@@ -99,7 +98,7 @@ def _fused(store, rank, world):
     from rocenante.flashinfer import add_rmsnorm, allreduce_fusion, create_allreduce_fusion_workspace
 
     group = _init(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     ws = create_allreduce_fusion_workspace("rocenante", world, rank, 64, 8192, torch.float32, group=group)
     comm = ws.allreduce._alive()
     digests = []
@@ -134,7 +133,7 @@ def _fused(store, rank, world):
 
 
 def test_fused_add_rmsnorm_against_float64_and_the_unfused_path():
-    a, b = expect_ok(run_ranks(2, _fused, timeout=600))
+    a, b = expect_ok(run_ranks(2, _fused, timeout=300))
     assert a == b  # every output bitwise identical on both ranks
 
 
@@ -144,8 +143,7 @@ def _fused_fault(store, rank, world, how):
     poisoned (NaN), and so must a replay of a graph captured around a fused call before the fault."""
     import rocenante
 
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
+    dev = gpus.use(rank)
     comm = rocenante.Communicator(store, rank, world, device=dev, capacity_bytes=1 << 20, timeout_s=2.0)
     tokens, hidden, dtype = 7, 4096, torch.bfloat16
     x = make_input(60, 0, rank, tokens * hidden, dtype, dev).view(tokens, hidden)
@@ -229,7 +227,7 @@ def _block(store, rank, world):
     from rocenante.flashinfer import allreduce_fusion, create_allreduce_fusion_workspace
 
     group = _init(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     tokens, hidden, ffn, layers, dtype = 8, 4096, 2 * 4096 // world, 2, torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(100 + rank)  # each rank's weight shards differ
     w_up = [torch.randn(hidden, ffn, generator=g, device=dev, dtype=dtype) / hidden**0.5 for _ in range(layers)]
@@ -290,7 +288,7 @@ def _block(store, rank, world):
 
 
 def test_cuda_graph_of_a_transformer_like_block_replays_correctly():
-    a, b = expect_ok(run_ranks(2, _block, timeout=600))
+    a, b = expect_ok(run_ranks(2, _block, timeout=300))
     assert a == b
 
 
@@ -342,7 +340,7 @@ def _vllm_graph_capture(store, rank, world):
 
     cpu_group = _init(store, rank, world)
     device_group = dist.new_group(backend="nccl")
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     comm = RocenanteCudaCommunicator(cpu_group, dev, device_group, "tp:0")
     assert comm.rocenante.active, comm.rocenante.why
     small = torch.empty(16, 4096, device=dev, dtype=torch.bfloat16)
@@ -379,9 +377,10 @@ def _vllm_graph_capture(store, rank, world):
     return calls
 
 
+@pytest.mark.separate_gpus  # the call over the capacity goes to the device group inside the capture: NCCL's
 def test_vllm_graph_capture_stand_in_drives_our_communicator():
     # 3 parent calls per rank (eager, warm-up, capture), all for the tensor over rocenante's capacity.
-    assert expect_ok(run_ranks(2, _vllm_graph_capture, timeout=600)) == [3, 3]
+    assert expect_ok(run_ranks(2, _vllm_graph_capture, timeout=300)) == [3, 3]
 
 
 def _against_flashinfer(store, rank, world):
@@ -391,7 +390,7 @@ def _against_flashinfer(store, rank, world):
     from rocenante.flashinfer import allreduce_fusion, create_allreduce_fusion_workspace
 
     group = _init(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     tokens, hidden, dtype = 16, 4096, torch.bfloat16
     ours = create_allreduce_fusion_workspace("rocenante", world, rank, tokens, hidden, dtype, group=group)
     # Never "auto": it picks the multicast path, which must not be used on the GPU machine.
@@ -412,8 +411,9 @@ def _against_flashinfer(store, rank, world):
     return (r0.float() - r1.float()).abs().max().item(), (n0.float() - n1.float()).abs().max().item()
 
 
+@pytest.mark.separate_gpus  # FlashInfer's kernel: one rank per GPU
 def test_same_results_as_flashinfers_trtllm_kernel():
     pytest.importorskip("flashinfer.comm", reason="FlashInfer is not installed (it is not on the GPU machine)")
-    for residual_diff, norm_diff in expect_ok(run_ranks(2, _against_flashinfer, timeout=600)):
+    for residual_diff, norm_diff in expect_ok(run_ranks(2, _against_flashinfer, timeout=300)):
         # bf16: one rounding step of values of order 10 is 2^-4; the sums may round differently (rank order).
         assert residual_diff <= 0.125 and norm_diff <= 0.125, (residual_diff, norm_diff)

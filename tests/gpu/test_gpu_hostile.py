@@ -1,6 +1,6 @@
-"""Bad input on the GPU path (2 GPUs): NaN with max/min, CuPy arrays on another device than the communicator's,
-a peer's CUDA IPC handle that maps too small an allocation, and constructions that fail for want of device
-memory, which must leave nothing allocated behind."""
+"""Bad input on the GPU path (2 ranks on this machine's GPUs): NaN with max/min, CuPy arrays on another device
+than the communicator's (a GPU per rank), a peer's CUDA IPC handle that maps too small an allocation, and
+constructions that fail for want of device memory, which must leave nothing allocated behind."""
 
 from __future__ import annotations
 
@@ -11,21 +11,20 @@ import sys
 import pytest
 import torch
 
+import gpus
 from multiproc import expect_ok, record_figure, run_ranks
 from probes import figures, gpu_probe, leaks, summary
 from reference import digest, make_input, sequential_fp32
 
-pytestmark = pytest.mark.gpu
 WORLD = 2
 
 
 def _comm(store, rank, world, **kw):
     import rocenante
 
-    torch.cuda.set_device(rank)
     kw.setdefault("capacity_bytes", 1 << 20)
     kw.setdefault("timeout_s", 60)
-    return rocenante.Communicator(store, rank, world, device=f"cuda:{rank}", **kw)
+    return rocenante.Communicator(store, rank, world, device=gpus.use(rank), **kw)
 
 
 def _nan_wins(store, rank, world, seed):
@@ -33,7 +32,7 @@ def _nan_wins(store, rank, world, seed):
     first and last among them), where the other rank holds +inf for max and -inf for min (NaN must beat it);
     element 1 is NaN on every rank."""
     comm = _comm(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     digests, case = [], 0
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for op in ("max", "min"):
@@ -80,14 +79,15 @@ def _cupy_on_another_device(store, rank, world, which):
     import rocenante
 
     comm = _comm(store, rank, world)
-    with cupy.cuda.Device(rank):
+    mine, other = gpus.device_of(rank).index, gpus.device_of(1 - rank).index
+    with cupy.cuda.Device(mine):
         x = cupy.ones(5000, dtype=cupy.float32)
         out = cupy.full(5000, 7.0, dtype=cupy.float32)
         good = comm.all_reduce(x)  # first a call that works
         cupy.cuda.get_current_stream().synchronize()
         assert (cupy.asnumpy(good) == world).all()
     if rank == 0:
-        with cupy.cuda.Device(rank):
+        with cupy.cuda.Device(mine):
             try:
                 comm.all_reduce(x, out=out)
                 cupy.cuda.get_current_stream().synchronize()
@@ -95,9 +95,9 @@ def _cupy_on_another_device(store, rank, world, which):
             except rocenante.PeerAbortedError as err:
                 return type(err).__name__, str(err)
         raise AssertionError("rank 0's call completed although rank 1 refused its side")
-    with cupy.cuda.Device(1 - rank):
+    with cupy.cuda.Device(other):
         elsewhere = cupy.full(5000, 7.0, dtype=cupy.float32)
-    with cupy.cuda.Device(rank):
+    with cupy.cuda.Device(mine):
         try:
             if which == "out":
                 comm.all_reduce(x, out=elsewhere)
@@ -106,9 +106,10 @@ def _cupy_on_another_device(store, rank, world, which):
         except ValueError as err:
             untouched = bool((cupy.asnumpy(elsewhere) == 7.0).all() and (cupy.asnumpy(out) == 7.0).all())
             return type(err).__name__, str(err), untouched
-    raise AssertionError(f"an {which} array on cuda:{1 - rank} was accepted by a communicator on cuda:{rank}")
+    raise AssertionError(f"an {which} array on cuda:{other} was accepted by a communicator on cuda:{mine}")
 
 
+@pytest.mark.separate_gpus  # rank 1 passes an array on rank 0's GPU
 @pytest.mark.parametrize("which", ["out", "input"])
 def test_cupy_array_on_another_device_is_refused(which):
     pytest.importorskip("cupy")
@@ -148,11 +149,11 @@ def _small_peer_allocation(store, rank, world):
     bytes of a handle, whatever the core puts in front of it)."""
     from rocenante import _C
 
-    torch.cuda.set_device(rank)
-    torch.zeros(1, device=f"cuda:{rank}")  # a context on this rank's device
+    device = gpus.use(rank)
+    torch.zeros(1, device=device)  # a context on this rank's device
     if rank == 1:
         rt = _cudart()
-        assert rt.cudaSetDevice(rank) == 0
+        assert rt.cudaSetDevice(device.index) == 0
         pointers = []
         for size in (SMALL_ALLOCATION, LARGE_ALLOCATION):
             ptr = ctypes.c_void_p()
@@ -167,7 +168,7 @@ def _small_peer_allocation(store, rank, world):
         return None
     verdicts = {}
     for size in (SMALL_ALLOCATION, LARGE_ALLOCATION):
-        comm = _C.Communicator(0, world, 0, IPC_CAPACITY, 60.0, _C.OnFault.raise_)
+        comm = _C.Communicator(0, world, device.index, IPC_CAPACITY, 60.0, _C.OnFault.raise_)
         own = comm.local_handle()
         try:
             comm.connect([own, own[:-64] + store.get(f"allocation/{size}")])
@@ -177,7 +178,7 @@ def _small_peer_allocation(store, rank, world):
         comm.close()
     store.set("done", "1")
     torch.cuda.synchronize()
-    assert torch.ones(8, device="cuda:0").sum().item() == 8  # no CUDA error left behind for torch to trip on
+    assert torch.ones(8, device=device).sum().item() == 8  # no CUDA error left behind for torch to trip on
     return verdicts
 
 
@@ -206,9 +207,8 @@ def _builds_without_memory(store, rank, world, attempts):
     `attempts` times: each must fail with out of memory, and together leave no fd, mapping or device memory."""
     from rocenante import _C
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    _C.Communicator(0, 2, 0, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()  # what the first build loads
+    dev = gpus.use(rank)
+    _C.Communicator(0, 2, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()  # what the first build loads
     before = gpu_probe(dev)
     hog = None
     for slack in range(0, 64 << 20, 2 << 20):  # the driver may keep a little of what it reports free
@@ -221,7 +221,7 @@ def _builds_without_memory(store, rank, world, attempts):
     messages = []
     for _ in range(attempts):
         try:
-            _C.Communicator(0, 2, 0, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()
+            _C.Communicator(0, 2, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()
         except _C.RocenanteError as err:
             messages.append(str(err))
     del hog

@@ -1,9 +1,14 @@
-"""The single-kernel one-shot all-reduce across the GPUs of one host (CUDA IPC), 2 ranks on 2 GPUs."""
+"""The single-kernel one-shot all-reduce across the GPUs of one host, on both paths of a test that takes `net`:
+"" directly (CUDA IPC), "tcp" the network path over the loopback TCP software wire (the kernel stores into pinned
+host memory, the proxy thread carries each call over TCP, the receiving side places segments in random order,
+and the kernel reads a peer's data only after the peer's arrival word), held to one standard. Worlds 2 to 8 on
+whatever GPUs there are (tests/support/gpus.py); the comparison with NCCL needs a GPU per rank."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -12,37 +17,46 @@ import time
 import pytest
 import torch
 
+import gpus
 from multiproc import expect_ok, run_ranks
+from nets import on_path
 from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32
 
-pytestmark = pytest.mark.gpu
 WORLD = 2
+WORLDS = [2, 3, 4, 8]  # for the tests whose behaviour does not depend on the world size
 CAPACITY = 1 << 20
 
 
 def _comm(store, rank, world, **kw):
     import rocenante
 
-    torch.cuda.set_device(rank)
     kw.setdefault("capacity_bytes", CAPACITY)
     kw.setdefault("timeout_s", 60)
-    return rocenante.Communicator(store, rank, world, device=f"cuda:{rank}", **kw)
+    return rocenante.Communicator(store, rank, world, device=gpus.use(rank), **kw)
 
 
 def _nccl(store, rank, world):
     import torch.distributed as dist
 
     dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=gpus.device_of(rank))
 
 
-def _every_dtype_op_size(store, rank, world, seed):
+def _every_dtype_op_size(store, rank, world, seed, net, nccl):
+    """Every dtype and op at sizes around and beyond a piece, outputs poisoned first, inputs aligned or one element
+    in, in place or not: exact against the rank-order fp32 result, within rounding of float64, and (`nccl`) close
+    to NCCL's all-reduce of the same inputs; returns the results' digests (for comparing ranks). Where ranks
+    share a GPU, each dtype and op takes a subset of the sizes, in turn, so that each dtype still meets sizes
+    within, at and beyond a piece."""
     import torch.distributed as dist
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # every rank computes the host references
     comm = _comm(store, rank, world)
-    _nccl(store, rank, world)
-    dev = torch.device("cuda", rank)
-    digests, case = [], 0
+    on_path(comm, net)
+    if nccl:
+        _nccl(store, rank, world)
+    dev = gpus.device_of(rank)
+    digests, case, combination = [], 0, 0
     for dtype in DTYPES:
         esize = torch.empty((), dtype=dtype).element_size()
         # One piece holds CAPACITY bytes of float payload, half of that for int32 (csrc/layout.h); larger calls
@@ -50,8 +64,14 @@ def _every_dtype_op_size(store, rank, world, seed):
         limit = (CAPACITY // 2 if dtype == torch.int32 else CAPACITY) // esize
         rng = random.Random(seed + case)
         for op in ops_for(dtype):
-            for numel in [1, 3, 8, 9, 4097, limit - 1, limit, limit + 1, 2 * limit + 5] + [rng.randint(1, 3 * limit)]:
+            sizes = [1, 3, 8, 9, 4097, limit - 1, limit, limit + 1, 2 * limit + 5] + [rng.randint(1, 3 * limit)]
+            kept = gpus.calls(len(sizes), world, on_shared=len(sizes), least=3)
+            chosen = {(combination * kept + j) % len(sizes) for j in range(kept)}
+            combination += 1
+            for i, numel in enumerate(sizes):
                 case += 1
+                if i not in chosen:
+                    continue
                 inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
                 offset = case % 3 == 0  # an input that is only element-aligned (a slice one element in)
                 backing = torch.empty(numel + 1, dtype=dtype, device=dev)
@@ -64,7 +84,7 @@ def _every_dtype_op_size(store, rank, world, seed):
                 comm.synchronize()
                 assert torch.equal(got.cpu(), sequential_fp32(inputs, op)), f"{dtype} {op} n={numel} offset={offset}"
                 check_against_float64(got, inputs, op)
-                if op != "avg":  # NCCL agrees within the dtype's rounding (its reduction order may differ)
+                if nccl and op != "avg":  # NCCL agrees within the dtype's rounding (its reduction order may differ)
                     ref = inputs[rank].to(dev)
                     dist.all_reduce(ref, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                                              "min": dist.ReduceOp.MIN}[op])
@@ -72,19 +92,27 @@ def _every_dtype_op_size(store, rank, world, seed):
                     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.int32: 0}[dtype]
                     assert torch.allclose(got.double(), ref.double(), rtol=tol, atol=tol * 8)
                 digests.append(digest(got))
-    dist.destroy_process_group()
+    if nccl:
+        dist.destroy_process_group()
     comm.close()
     return digests
 
 
-def test_every_dtype_op_and_size_matches_reference_and_nccl():
-    results = expect_ok(run_ranks(WORLD, _every_dtype_op_size, 31, timeout=600))
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_dtype_op_and_size_matches_the_references(net, world):
+    results = expect_ok(run_ranks(world, _every_dtype_op_size, 31, net, False, timeout=300))
+    assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
+
+
+@pytest.mark.separate_gpus
+def test_every_dtype_op_and_size_matches_nccl(net):
+    results = expect_ok(run_ranks(WORLD, _every_dtype_op_size, 31, net, True, timeout=300))
     assert results[0] == results[1], "ranks produced different bits"
 
 
 def _varying_sizes_back_to_back(store, rank, world, calls):
     comm = _comm(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     rng = random.Random(5)
     outs, wants = [], []
     for i in range(calls):  # sizes jump between one CTA and many, so launch shapes change every call
@@ -103,13 +131,15 @@ def _varying_sizes_back_to_back(store, rank, world, calls):
     return calls
 
 
-def test_two_thousand_calls_of_varying_size():
-    assert expect_ok(run_ranks(WORLD, _varying_sizes_back_to_back, 2000, timeout=600)) == [2000, 2000]
+@pytest.mark.parametrize("world", WORLDS)
+def test_calls_of_varying_size_back_to_back(net, world):
+    calls = gpus.calls(2000, world, on_shared=400, least=65)  # checked 64 at a time, then the rest
+    assert expect_ok(run_ranks(world, _varying_sizes_back_to_back, calls, timeout=300)) == [calls] * world
 
 
 def _graph_replays(store, rank, world, replays):
     comm = _comm(store, rank, world)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     sizes = [4099, 1, 65536]  # three all-reduces in one graph: bf16, odd tail, one and many CTAs
     xs = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]
     ys = [torch.empty_like(x) for x in xs]
@@ -139,15 +169,17 @@ def _graph_replays(store, rank, world, replays):
     return replays
 
 
-def test_thousand_graph_replays_with_new_inputs():
-    assert expect_ok(run_ranks(WORLD, _graph_replays, 1000, timeout=600)) == [1000, 1000]
+@pytest.mark.parametrize("world", WORLDS)
+def test_graph_replays_with_new_inputs(net, world):
+    replays = gpus.calls(1000, world, on_shared=100, least=10)
+    assert expect_ok(run_ranks(world, _graph_replays, replays, timeout=300)) == [replays] * world
 
 
 def _killed_peer(store, rank, world):
     import rocenante
 
     comm = _comm(store, rank, world, timeout_s=60.0)
-    x = torch.randn(10000, device=f"cuda:{rank}")
+    x = torch.randn(10000, device=gpus.device_of(rank))
     comm.all_reduce(x)
     comm.synchronize()
     if rank == 1:
@@ -162,7 +194,7 @@ def _killed_peer(store, rank, world):
         assert comm.closed
         comm.close()
         # The GPU is still usable: no sticky error, no reset.
-        assert torch.ones(1000, device=f"cuda:{rank}").sum().item() == 1000
+        assert torch.ones(1000, device=gpus.device_of(rank)).sum().item() == 1000
         return str(err), elapsed
     raise AssertionError("all_reduce completed without the killed peer")
 
@@ -177,7 +209,7 @@ def _mismatch(store, rank, world):
     import rocenante
 
     comm = _comm(store, rank, world, timeout_s=10)
-    comm.all_reduce(torch.randn(1000 + 8 * rank, device=f"cuda:{rank}"))
+    comm.all_reduce(torch.randn(1000 + 8 * (rank == 1), device=gpus.device_of(rank)))  # rank 1 alone differs
     try:
         comm.synchronize()
     except rocenante.CallMismatchError as err:
@@ -187,15 +219,29 @@ def _mismatch(store, rank, world):
     raise AssertionError("a mismatched call succeeded")
 
 
-def test_mismatched_sizes_fail_on_both_ranks():
-    results = expect_ok(run_ranks(WORLD, _mismatch, timeout=120))
-    assert "rank 1 called all_reduce with 1008 x float32" in results[0], results[0]
-    assert "rank 0 called all_reduce with 1000 x float32" in results[1], results[1]
+def _names_a_peer(message: str, rank: int, pattern: str) -> bool:
+    """Whether `pattern` (with a group for a rank) matches the message, naming another rank than `rank`."""
+    found = re.search(pattern, message)
+    return found is not None and int(found.group(1)) != rank
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mismatched_sizes_fail_on_every_rank(net, world):
+    results = expect_ok(run_ranks(world, _mismatch, timeout=120))
+    for rank, message in enumerate(results):
+        if rank == 1:  # every other rank made the 1000-element call
+            named = _names_a_peer(message, rank, r"rank (\d+) called all_reduce with 1000 x float32")
+        else:
+            named = "rank 1 called all_reduce with 1008 x float32" in message
+        # Over the network a rank may hear of the mismatch from a peer's abort word before the odd call arrives:
+        # it then names the mismatch as that peer saw it (tests/rdma/test_rdma.py says why).
+        relayed = net and _names_a_peer(message, rank, r"rank (\d+) aborted the communicator: rank")
+        assert named or relayed, f"rank {rank}: {message}"
 
 
 def _shared_refusal(store, rank, world):
     comm = _comm(store, rank, world, capacity_bytes=4096)
-    x = torch.ones(1025, device=f"cuda:{rank}", dtype=torch.int32)
+    x = torch.ones(1025, device=gpus.device_of(rank), dtype=torch.int32)
     with pytest.raises(ValueError, match="op avg is not defined for int32"):
         comm.all_reduce(x, op="avg")  # refused in C++: the error crosses the binding as a Python exception
     assert not comm.closed
@@ -206,15 +252,16 @@ def _shared_refusal(store, rank, world):
     return True
 
 
-def test_refused_call_raises_and_leaves_the_communicator_usable():
-    assert expect_ok(run_ranks(WORLD, _shared_refusal, timeout=120)) == [True, True]
+@pytest.mark.parametrize("world", WORLDS)
+def test_refused_call_raises_and_leaves_the_communicator_usable(net, world):
+    assert expect_ok(run_ranks(world, _shared_refusal, timeout=120)) == [True] * world
 
 
 def _cupy_arrays(store, rank, world):
     import cupy
 
     comm = _comm(store, rank, world)
-    with cupy.cuda.Device(rank):
+    with cupy.cuda.Device(gpus.device_of(rank).index):
         inputs = [make_input(3, 0, r, 5000, torch.float32) for r in range(world)]
         x = cupy.asarray(inputs[rank].numpy())
         out = cupy.full_like(x, cupy.nan)
@@ -241,7 +288,8 @@ def test_compute_sanitizer_is_clean(tool):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         pytest.skip("compute-sanitizer is not on PATH (benchmarks/gpu_machine.sh fails instead)")
-    workload = os.path.join(os.path.dirname(__file__), "sanitizer_workload.py")
+    workload = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support",
+                            "sanitizer_workload.py")
     proc = subprocess.run(
         [exe, "--tool", tool, "--target-processes", "all", "--error-exitcode", "3", sys.executable, workload],
         capture_output=True, text=True, timeout=600,

@@ -21,6 +21,7 @@ from rocenante import communicator as rendezvous
 from multiproc import expect_ok, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(HERE), "support")
 SMALL_SHM = "8m"
 # World 2: each region is 3 x (2 - 1) x capacity (+ a 512-byte header): 6 MiB for 2 MiB, so that one fits in
 # 8 MiB and two do not; 9 MiB for 3 MiB, so that none fits.
@@ -67,7 +68,7 @@ def _full_shm(store, rank, world, capacity):
 def test_a_full_dev_shm_fails_setup_on_every_rank_with_a_clear_error(capacity):
     script = (
         "import json, os, sys\n"
-        "sys.path.insert(0, os.getcwd())\n"
+        f"sys.path[:0] = [os.getcwd(), {SUPPORT!r}]\n"
         "import multiproc, test_cpu_shm\n"
         f"results = multiproc.run_ranks(2, test_cpu_shm._full_shm, {capacity}, timeout=60)\n"
         "left = sorted(n for n in os.listdir('/dev/shm') if n.startswith('rocenante-'))\n"
@@ -130,7 +131,7 @@ def test_a_rank_dead_before_connecting_leaves_no_segment_once_the_next_communica
     assert [n for n in leftovers if os.path.exists(n)] == [], "the dead rank's segment is still in /dev/shm"
 
 
-HANDLE_PREFIX = 40  # the core's Config and Identity in front of the transport's handle (communicator.cc)
+HANDLE_PREFIX = _C.wire.handle_header_bytes  # the core's Config and Identity in front of the transport's handle
 
 
 @pytest.mark.parametrize("fault", ["mode", "owner"])

@@ -15,7 +15,7 @@ import torch
 from multiproc import expect_ok, run_ranks
 from reference import make_input, sequential_fp32
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _init(store, rank, world):

@@ -6,20 +6,23 @@ import time
 
 import torch
 
+import gpus
+
 
 def train(store, rank: int, world: int, backend: str, device: str) -> list[bytes]:
-    """Five SGD steps of a small MLP under DDP; returns the parameters' exact bits."""
+    """Five SGD steps of a small MLP under DDP on "cpu" or "cuda" (this rank's GPU, tests/support/gpus.py); returns
+    the parameters' exact bits."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import rocenante  # noqa: F401  (registers the "rocenante" backend)
 
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    on_gpu = device == "cuda"
+    device = gpus.use(rank) if on_gpu else torch.device("cpu")
     dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(device)
-    ddp = DDP(model, device_ids=[rank] if device == "cuda" else None)
+    ddp = DDP(model, device_ids=[device] if on_gpu else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator(device=device).manual_seed(7 + rank)
     for _ in range(5):

@@ -1,7 +1,9 @@
-"""Endurance on 2 GPUs, with figures printed: a million graph-replayed calls of random size, dtype and op, each
-checked on the device; back-to-back replays with one rank held back on the GPU; create/destroy cycles that must
-leave no fd, segment, mapping or device memory behind. Each test prints its figures (stderr, in the log of
-benchmarks/gpu_machine.sh) and records them ($ROCENANTE_TEST_FIGURES)."""
+"""Endurance, 2 ranks on this machine's GPUs, with figures printed: a million graph-replayed calls of random
+size, dtype and op, each checked on the device; back-to-back replays with one rank held back on the GPU;
+create/destroy cycles that must leave no fd, segment, mapping or device memory behind. Where the ranks share a GPU
+(a call then takes milliseconds) the first two run a subset of their replays, still through every branch. Each
+test prints its figures (stderr, in the log of benchmarks/gpu_machine.sh) and records them
+($ROCENANTE_TEST_FIGURES; names suffixed _shared_gpu on a shared GPU)."""
 
 from __future__ import annotations
 
@@ -10,23 +12,21 @@ import random
 import sys
 import time
 
-import pytest
 import torch
 
+import gpus
 from rocenante import _env
 from multiproc import all_arrived, expect_ok, record_figure, run_ranks
 from probes import figures, gpu_probe, leaks, summary
 from reference import DTYPES, check_against_float64, ops_for, poison, sequential_fp32
 
-pytestmark = pytest.mark.gpu
 WORLD = 2
 
 
 def _comm(store, rank, world, capacity_bytes, name="default"):
     import rocenante
 
-    torch.cuda.set_device(rank)
-    return rocenante.Communicator(store, rank, world, device=f"cuda:{rank}", capacity_bytes=capacity_bytes,
+    return rocenante.Communicator(store, rank, world, device=gpus.use(rank), capacity_bytes=capacity_bytes,
                                   timeout_s=60, name=name)
 
 
@@ -158,6 +158,10 @@ def _random_calls(rng: random.Random, count: int, max_bytes: int) -> list:
     return calls
 
 
+def _where() -> str:
+    return "1 GPU, shared by both ranks" if gpus.shared(WORLD) else f"{WORLD} GPUs"
+
+
 SOAK_GRAPHS = 8
 SOAK_CALLS_PER_GRAPH = 125
 SOAK_ROUNDS = 1000  # each graph replayed this often: 8 x 125 x 1000 = 1,000,000 calls
@@ -167,9 +171,9 @@ SOAK_MAX_BYTES = _env.threshold_bytes("cuda", WORLD)
 SOAK_SAMPLE_EVERY = 100  # rounds between host checks of two calls per graph against float64
 
 
-def _soak(store, rank, world, seed):
+def _soak(store, rank, world, seed, rounds, sample_every):
     comm = _comm(store, rank, world, SOAK_CAPACITY)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     torch.cuda.manual_seed(seed)  # the in-graph inputs: the same draws on every rank
     rng = random.Random(seed)  # the same calls on every rank
     setup_start = time.monotonic()
@@ -184,13 +188,13 @@ def _soak(store, rank, world, seed):
     setup_s = time.monotonic() - setup_start
     sampled, sample_s = 0, 0.0
     start = time.monotonic()
-    for r in range(SOAK_ROUNDS):
+    for r in range(rounds):
         for _, graph in soaks:
             graph.replay()
-        if (r + 1) % SOAK_SAMPLE_EVERY == 0:
+        if (r + 1) % sample_every == 0:
             sample_start = time.monotonic()
             torch.cuda.synchronize(dev)
-            c = r // SOAK_SAMPLE_EVERY
+            c = r // sample_every
             for g, (checked, _) in enumerate(soaks):
                 sample = [(17 * (2 * c + j) + g) % SOAK_CALLS_PER_GRAPH for j in range(2)]
                 if c == 0 and g == 0:
@@ -202,7 +206,7 @@ def _soak(store, rank, world, seed):
     torch.cuda.synchronize(dev)
     comm.synchronize()
     elapsed = time.monotonic() - start
-    calls = SOAK_GRAPHS * SOAK_CALLS_PER_GRAPH * SOAK_ROUNDS
+    calls = SOAK_GRAPHS * SOAK_CALLS_PER_GRAPH * rounds
     mean_bytes = sum(n * d.itemsize for c, _ in soaks for n, d, _ in c.calls) / (SOAK_GRAPHS * SOAK_CALLS_PER_GRAPH)
     result = {
         "calls": calls,
@@ -219,9 +223,11 @@ def _soak(store, rank, world, seed):
     return result
 
 
-def test_million_graph_replayed_calls_exact_and_identical_on_both_gpus():
+def test_soak_of_graph_replayed_calls_exact_and_identical_on_both_ranks():
+    rounds = gpus.calls(SOAK_ROUNDS, WORLD, on_shared=2, least=2)  # the host samples at least twice
+    sample_every = SOAK_SAMPLE_EVERY if rounds == SOAK_ROUNDS else 1
     start = time.monotonic()
-    results = expect_ok(run_ranks(WORLD, _soak, 2024, timeout=300))
+    results = expect_ok(run_ranks(WORLD, _soak, 2024, rounds, sample_every, timeout=300))
     wall = time.monotonic() - start
     for rank, res in enumerate(results):
         assert res["mismatches"] == [0] * SOAK_GRAPHS, f"rank {rank}: wrong elements per graph {res['mismatches']}"
@@ -229,14 +235,15 @@ def test_million_graph_replayed_calls_exact_and_identical_on_both_gpus():
     calls = results[0]["calls"]
     seconds = max(res["seconds"] for res in results)
     sample_s = max(res["sample_s"] for res in results)
-    record_figure("gpu_soak_calls", calls)
-    record_figure("gpu_soak_s", seconds)
-    record_figure("gpu_soak_us_per_call", seconds / calls * 1e6)
-    record_figure("gpu_soak_test_wall_s", wall)
+    record_figure(gpus.figure("gpu_soak_calls", WORLD), calls)
+    record_figure(gpus.figure("gpu_soak_s", WORLD), seconds)
+    record_figure(gpus.figure("gpu_soak_us_per_call", WORLD), seconds / calls * 1e6)
+    record_figure(gpus.figure("gpu_soak_test_wall_s", WORLD), wall)
     print(f"gpu soak: {calls} all-reduce calls ({SOAK_GRAPHS} CUDA graphs x {SOAK_CALLS_PER_GRAPH} calls x "
-          f"{SOAK_ROUNDS} replays; random dtype and op, 1 element..{SOAK_MAX_BYTES >> 20} MiB with a "
+          f"{rounds} replays; random dtype and op, 1 element..{SOAK_MAX_BYTES >> 20} MiB with a "
           f"{SOAK_CAPACITY >> 20} MiB capacity, mean "
-          f"{results[0]['mean_bytes'] / 1024:.0f} KiB) on 2 GPUs in {seconds:.1f} s, {seconds / calls * 1e6:.2f} us "
+          f"{results[0]['mean_bytes'] / 1024:.0f} KiB) on {_where()} in {seconds:.1f} s, "
+          f"{seconds / calls * 1e6:.2f} us "
           f"per call with the on-device checks and {sample_s:.1f} s of host samples; setup (build, warm-up, "
           f"capture) {max(r['setup_s'] for r in results):.1f} s; whole test {wall:.1f} s. Every output element "
           f"checked on the device against the rank-order result: 0 wrong; outputs identical on both ranks "
@@ -251,13 +258,13 @@ SKEW_HOLD_EVERY = 250  # replays between two ~1 ms holds of one rank (alternatin
 CYCLES_PER_US = 2000  # torch.cuda._sleep spins GPU clock cycles; H200 SMs run at about 2 GHz
 
 
-def _skewed_replays(store, rank, world, seed):
+def _skewed_replays(store, rank, world, seed, replays, hold_every):
     """Each rank replays one graph back to back, with no synchronisation at all between replays. Before some
     calls one rank (a different one per call) spins 1-20 us on the GPU, inside the graph, and every 250 replays
     one rank spins 1 ms before the replay: the other rank finishes its call and starts the next, pushing into
     the held rank's region before that rank has started it. Every call of every replay is checked on the device."""
     comm = _comm(store, rank, world, SKEW_CAPACITY)
-    dev = torch.device("cuda", rank)
+    dev = gpus.device_of(rank)
     torch.cuda.manual_seed(seed)
     rng = random.Random(seed)
     calls, sleeps, held = [], [], 0
@@ -273,8 +280,8 @@ def _skewed_replays(store, rank, world, seed):
     checked = CheckedCalls(comm, calls, dev, sleeps)
     graph = checked.capture(dev)
     start = time.monotonic()
-    for i in range(SKEW_REPLAYS):
-        if i % SKEW_HOLD_EVERY == 0 and (i // SKEW_HOLD_EVERY) % world == rank:
+    for i in range(replays):
+        if i % hold_every == 0 and (i // hold_every) % world == rank:
             torch.cuda._sleep(1000 * CYCLES_PER_US)
         graph.replay()
     torch.cuda.synchronize(dev)
@@ -287,18 +294,20 @@ def _skewed_replays(store, rank, world, seed):
 
 
 def test_back_to_back_replays_with_one_rank_held_back_are_exact():
-    results = expect_ok(run_ranks(WORLD, _skewed_replays, 77, timeout=300))
+    replays = gpus.calls(SKEW_REPLAYS, WORLD, on_shared=40, least=40)
+    hold_every = SKEW_HOLD_EVERY if replays == SKEW_REPLAYS else 10  # each rank held twice
+    results = expect_ok(run_ranks(WORLD, _skewed_replays, 77, replays, hold_every, timeout=300))
     for rank, (mismatches, _, _, _) in enumerate(results):
         assert mismatches == 0, f"rank {rank}: {mismatches} wrong elements"
     assert results[0][1] == results[1][1], "the ranks' outputs differ"
-    calls = SKEW_CALLS * SKEW_REPLAYS
+    calls = SKEW_CALLS * replays
     seconds = max(r[2] for r in results)
     held = results[0][3]
-    record_figure("gpu_skewed_replay_calls", calls)
-    record_figure("gpu_skewed_replay_s", seconds)
-    print(f"skewed replays: {SKEW_REPLAYS} back-to-back replays of {SKEW_CALLS} calls ({calls} calls; {held} of "
+    record_figure(gpus.figure("gpu_skewed_replay_calls", WORLD), calls)
+    record_figure(gpus.figure("gpu_skewed_replay_s", WORLD), seconds)
+    print(f"skewed replays: {replays} back-to-back replays of {SKEW_CALLS} calls ({calls} calls; {held} of "
           f"the {SKEW_CALLS} calls start 1-20 us late on one rank, and one rank is held 1 ms every "
-          f"{SKEW_HOLD_EVERY} replays) in {seconds:.2f} s; every output element checked on the device: 0 wrong; "
+          f"{hold_every} replays) on {_where()} in {seconds:.2f} s; every output element checked on the device: 0 wrong; "
           "outputs identical on both ranks (checksum)", file=sys.stderr)
 
 
@@ -307,8 +316,7 @@ GPU_WARMUP_CYCLES = 5  # the first builds load libraries, open the driver's devi
 
 
 def _gpu_cycles(store, rank, world, cycles):
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
+    dev = gpus.use(rank)
     x = torch.ones(4096, device=dev)
     y = torch.empty_like(x)
 
@@ -336,8 +344,8 @@ def test_gpu_communicator_create_destroy_cycles_leak_nothing():
     for rank, (before, after, seconds) in enumerate(results):
         for when, probe in (("before", before), ("after", after)):
             for k, v in figures(probe).items():
-                record_figure(f"gpu_communicator_cycles_{GPU_CYCLES}_rank{rank}_{k}_{when}", v)
-        record_figure(f"gpu_communicator_cycle_s_rank{rank}", seconds)
+                record_figure(gpus.figure(f"gpu_communicator_cycles_{GPU_CYCLES}_rank{rank}_{k}_{when}", WORLD), v)
+        record_figure(gpus.figure(f"gpu_communicator_cycle_s_rank{rank}", WORLD), seconds)
         lines.append(f"rank {rank}, {GPU_CYCLES} cycles ({seconds * 1e3:.0f} ms each): {summary(before, after)}")
         found += [f"rank {rank}: {leak}" for leak in leaks(before, after)]
     print("gpu cycles: " + "; ".join(lines), file=sys.stderr)

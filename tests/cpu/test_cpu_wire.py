@@ -18,7 +18,7 @@ import rocenante
 from rocenante import _C
 
 CAPACITY = 64 << 10
-HANDLE_HEADER = 40  # Config (24 bytes) + Identity (16 bytes), in front of the shared-memory name
+HANDLE_HEADER = _C.wire.handle_header_bytes  # the core's Config and Identity, in front of the shared-memory name
 EPOCH = 1  # the first call
 _CODES = {torch.float32: _C.DType.float32, torch.bfloat16: _C.DType.bfloat16, torch.int32: _C.DType.int32}
 

@@ -1,9 +1,11 @@
 """Never a silent wrong answer, on the CPU path: call ordering across threads, a peer killed or stopped in the
-middle of a loop of calls, a call one rank refuses alone, Ctrl-C during a wait, and a broken backend group."""
+middle of a loop of calls (over shared memory and over the TCP software wire: `net`), a call one rank refuses
+alone, Ctrl-C during a wait, and a broken backend group."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -13,6 +15,7 @@ import torch
 
 import rocenante
 from multiproc import all_arrived, end_this_process_later, expect_ok, record_figure, run_ranks
+from nets import on_path
 from reference import make_input, sequential_fp32
 
 CAPACITY = 64 << 10
@@ -62,11 +65,12 @@ def test_calls_from_two_threads_execute_in_issue_order():
         assert not bad and len(results) == 20, bad
 
 
-def _victim_loop(store, rank, world, how, timeout_s):
+def _victim_loop(store, rank, world, net, how, timeout_s):
     """Every rank loops on in-place all-reduces of finite data; the last rank is SIGKILLed, or SIGSTOPped for
     4 s, at a moment its own timer picks (mostly inside a call). Returns each call's outcome."""
     all_arrived(store, world, "victim")
     comm = _comm(store, rank, world, timeout_s=timeout_s)
+    on_path(comm, net)
     victim = world - 1
     if rank == victim:
         end_this_process_later(how, after_s=0.5)
@@ -90,30 +94,56 @@ def _victim_loop(store, rank, world, how, timeout_s):
     raise AssertionError("the loop never faulted")
 
 
+def _figure(net: str, name: str) -> str:
+    return f"cpu_{net}_{name}" if net else f"cpu_{name}"
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_killed_peer_is_noticed_within_two_seconds_whatever_the_timeout(world):
-    results = run_ranks(world, _victim_loop, "kill", 60.0, timeout=120)
+def test_killed_peer_is_noticed_within_two_seconds_whatever_the_timeout(net, world):
+    results = run_ranks(world, _victim_loop, net, "kill", 60.0, timeout=120)
     assert results[-1] == ("died", -signal.SIGKILL), results[-1]
     for rank, (outcomes, kind, message, elapsed) in enumerate(expect_ok(results[:-1])):
         assert outcomes, f"rank {rank} never completed a call before the kill"
         assert kind == "PeerAbortedError", message
-        assert f"rank {world - 1}'s process ended" in message, message  # seen itself, or told by a peer
-        record_figure(f"cpu_killed_peer_detect_s_world{world}_rank{rank}", elapsed)
+        if net:  # its connection closing (the wire) or its process ending (the watchdog), seen here or told
+            assert f"rank {world - 1}" in message, message
+        else:  # seen itself, or told by a peer
+            assert f"rank {world - 1}'s process ended" in message, message
+        record_figure(_figure(net, f"killed_peer_detect_s_world{world}_rank{rank}"), elapsed)
         assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s to notice (timeout 60 s)"
 
 
+def _names_among_waited_for(message: str, rank: int) -> bool:
+    return re.search(rf"rank\(s\)( \d)* {rank}\b", message) is not None
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_stopped_peer_times_out_and_learns_of_it_when_continued(world):
-    results = expect_ok(run_ranks(world, _victim_loop, "stop", 2.0, timeout=120))
+def test_stopped_peer_times_out_and_learns_of_it_when_continued(net, world):
+    results = expect_ok(run_ranks(world, _victim_loop, net, "stop", 2.0, timeout=120))
     for rank, (outcomes, kind, message, elapsed) in enumerate(results[:-1]):
         assert outcomes, f"rank {rank} never completed a call before the stop"
         # The first survivor to time out tells the others, who may hear it before their own timeout.
         assert kind == "PeerTimeoutError", message
-        assert f"rank(s) {world - 1}" in message or "timed out waiting for rank(s)" in message, message
-        record_figure(f"cpu_stopped_peer_detect_s_timeout_2s_world{world}_rank{rank}", elapsed)
+        if net:
+            # The victim among the ranks waited for: a survivor whose peer did not get the victim's last delivery
+            # before it stopped waits for that peer too.
+            assert _names_among_waited_for(message, world - 1), message
+        else:
+            assert f"rank(s) {world - 1}" in message or "timed out waiting for rank(s)" in message, message
+        record_figure(_figure(net, f"stopped_peer_detect_s_timeout_2s_world{world}_rank{rank}"), elapsed)
         assert elapsed < 2.0 + 1.0, f"rank {rank} waited {elapsed:.2f} s with a 2 s timeout"
     _, kind, message, _ = results[-1]
-    assert kind == "PeerTimeoutError" and f"aborted the communicator: a wait for rank(s) {world - 1}" in message, message
+    if not net:
+        assert kind == "PeerTimeoutError", message
+        assert f"aborted the communicator: a wait for rank(s) {world - 1}" in message, message
+        return
+    # Continued, the victim learns that the call failed: from a survivor's abort word, or its own wait (stopped
+    # longer than the timeout) expires first, or the survivors have ended and it sees their processes or
+    # connections gone. Which comes first is a race among its threads once continued; shared memory, where the
+    # abort word is already in place, has none.
+    told = "aborted the communicator: a wait for rank(s)" in message and _names_among_waited_for(message, world - 1)
+    gone = kind == "PeerAbortedError" and ("process ended" in message or "connection closed" in message)
+    assert told or gone or "timed out after 2 s waiting for rank(s)" in message, message
 
 
 def _abort_policy(store, rank, world):

@@ -21,7 +21,12 @@ from rocenante import _C, communicator
 from multiproc import expect_ok, run_ranks
 
 CAPACITY = 4096
-HEADER = 40  # Config (24 bytes) + Identity (16 bytes), in front of the transport's handle
+# A handle: the core's Config (magic, world, capacity, device, a padding word), its Identity (pid as an int64,
+# the process's start time), then the transport's handle.
+CONFIG = _C.wire.config_bytes
+DEVICE, FIRST_CALL, PID = CONFIG - 8, CONFIG - 4, CONFIG
+HEADER = _C.wire.handle_header_bytes
+OURS = _C.wire.config_magic.to_bytes(4, "big").decode()  # "ROC5"
 _names = itertools.count()
 
 
@@ -39,7 +44,8 @@ def pair():
 
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
-    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC4" travels as b"4COR"
+    assert handle[:4] == struct.pack("<I", _C.wire.config_magic)
+    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC5" travels as b"5COR"
 
 
 def _refused(me, theirs: bytes, words: str = "") -> str:
@@ -53,7 +59,7 @@ def _refused(me, theirs: bytes, words: str = "") -> str:
 
 def test_another_version_is_named_as_such(pair):
     me, theirs = pair
-    _refused(me, _with_magic(theirs, b"ROC1"), "rank 1 runs another rocenante version (protocol ROC1, this rank ROC4)")
+    _refused(me, _with_magic(theirs, b"ROC1"), f"rank 1 runs another rocenante version (protocol ROC1, this rank {OURS})")
 
 
 @pytest.mark.parametrize(
@@ -63,10 +69,12 @@ def test_another_version_is_named_as_such(pair):
         (lambda h: h[:3], "3 bytes"),
         (lambda h: b"\xff" * 64, "not a rocenante handle"),
         (lambda h: h[:HEADER - 1], "truncated"),
-        (lambda h: h[:20] + b"\x01" + h[21:], "malformed configuration"),  # the padding word
-        (lambda h: h[:16] + b"\x07" + h[17:], "malformed configuration"),  # on_gpu
-        (lambda h: h[:24] + struct.pack("<q", -1) + h[32:], "process id -1"),
-        (lambda h: h[:24] + struct.pack("<q", 2**40) + h[32:], "process id"),
+        (lambda h: h[:FIRST_CALL] + struct.pack("<I", _C.wire.epoch_period) + h[FIRST_CALL + 4:],
+         "malformed configuration"),  # a first call number past the period
+        (lambda h: h[:FIRST_CALL] + struct.pack("<I", 7) + h[FIRST_CALL + 4:], "first call 7; this rank"),
+        (lambda h: h[:DEVICE] + b"\x07" + h[DEVICE + 1:], "malformed configuration"),  # on_gpu
+        (lambda h: h[:PID] + struct.pack("<q", -1) + h[PID + 8:], "process id -1"),
+        (lambda h: h[:PID] + struct.pack("<q", 2**40) + h[PID + 8:], "process id"),
         (lambda h: h[:HEADER], "shared-memory name"),
         (lambda h: h[:HEADER] + b"/dev/shm/x", "shared-memory name"),
         (lambda h: h + b"/../../etc/passwd", "shared-memory name"),

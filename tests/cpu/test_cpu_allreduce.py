@@ -1,4 +1,6 @@
-"""The one-shot all-reduce between processes of one host over shared memory (CPU tensors)."""
+"""The one-shot all-reduce between processes of one host with CPU tensors: over shared memory, and where a test
+takes `net`, also over the TCP software wire (ROCENANTE_NET=tcp, csrc/transport/tcp.cc: every peer through the
+proxy and a loopback TCP connection, each delivery placed in random order word by word), held to one standard."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 
 import rocenante
 from multiproc import all_arrived, expect_ok, run_ranks
+from nets import cases, on_path
+from probes import host_probe
 from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32
 
 CAPACITY = 64 << 10  # small, so that random sizes often go as several pieces
@@ -26,17 +30,15 @@ def _sizes(seed: int, dtype, count: int) -> list[int]:
     return [1, 7, 9, piece - 1, piece, piece + 1, 2 * piece + 3] + [rng.randint(1, 3 * piece) for _ in range(count)]
 
 
-def _every_dtype_op_size(store, rank, world, seed):
-    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
-    digests = every_dtype_op_size(comm, rank, world, seed)
-    comm.close()
-    return digests
+def _every_dtype_op_size(store, rank, world, seed, net, random_sizes):
+    with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net) as comm:
+        return every_dtype_op_size(comm, rank, world, seed, random_sizes)
 
 
-def every_dtype_op_size(comm, rank, world, seed, random_sizes=4) -> list[str]:
+def every_dtype_op_size(comm, rank, world, seed, random_sizes) -> list[str]:
     """Every dtype and op at sizes around and beyond a piece (comm's capacity must be CAPACITY) and
     `random_sizes` random ones, outputs poisoned first, checked against the rank-order fp32 result and float64;
-    returns the results' digests (for comparing ranks). Shared with tests/test_cpu_net.py."""
+    returns the results' digests (for comparing ranks)."""
     digests = []
     case = 0
     for dtype in DTYPES:
@@ -58,9 +60,11 @@ def every_dtype_op_size(comm, rank, world, seed, random_sizes=4) -> list[str]:
     return digests
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_dtype_op_and_size_matches_reference_on_every_rank(world):
-    results = expect_ok(run_ranks(world, _every_dtype_op_size, 1000 + world))
+@cases("net, world", ("", 2), ("", 3), ("", 4), ("tcp", 2), ("tcp", 3))
+def test_every_dtype_op_and_size_matches_reference_on_every_rank(net, world):
+    # Over the wire the edges of a piece and one random size more; over shared memory four more.
+    seed, random_sizes = (2000 + world, 1) if net else (1000 + world, 4)
+    results = expect_ok(run_ranks(world, _every_dtype_op_size, seed, net, random_sizes, timeout=180))
     assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
 
 
@@ -121,8 +125,8 @@ def test_values_like_the_empty_word_arrive_as_the_format_says():
     expect_ok(run_ranks(3, _sentinel_like_values, 31))
 
 
-def _back_to_back(store, rank, world, calls):
-    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60)
+def _back_to_back(store, rank, world, net, calls):
+    comm = on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net)
     rng = random.Random(7)  # same sizes on every rank
     for i in range(calls):
         numel = rng.randint(1, 512)
@@ -138,8 +142,9 @@ def _back_to_back(store, rank, world, calls):
     return calls
 
 
-def test_ten_thousand_back_to_back_calls():
-    assert expect_ok(run_ranks(2, _back_to_back, 10_000)) == [10_000, 10_000]
+@cases("net, calls", ("", 10_000), ("tcp", 3000))
+def test_back_to_back_calls(net, calls):
+    assert expect_ok(run_ranks(2, _back_to_back, net, calls)) == [calls, calls]
 
 
 def _one_rank_absent(store, rank, world):
@@ -197,15 +202,30 @@ def test_mismatched_calls_fail_on_every_rank(kind):
         assert "1024 x float32" in results[0] and "1000 x float32" in results[1]
 
 
-def _open_close(store, rank, world, cycles):
-    for i in range(cycles):
-        with rocenante.Communicator(store, rank, world, capacity_bytes=4096, timeout_s=30) as comm:
+def _open_close(store, rank, world, net, cycles):
+    """This rank's shared-memory segments left after `cycles` communicators were built, used and closed (their
+    names carry the pid), and its (fds, threads) after the first cycle (which loads what stays loaded) and after
+    the last."""
+
+    def cycle(i):
+        with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=4096, timeout_s=30), net) as comm:
             assert torch.equal(comm.all_reduce(torch.full((3,), float(i))), torch.full((3,), float(i * world)))
-    return sorted(glob.glob(f"/dev/shm/rocenante-*-{os.getpid()}-*"))  # this rank's segments (names carry the pid)
+
+    def held():
+        return host_probe()["fds"], len(os.listdir("/proc/self/task"))
+
+    cycle(0)
+    before = held()
+    for i in range(1, cycles):
+        cycle(i)
+    return sorted(glob.glob(f"/dev/shm/rocenante-*-{os.getpid()}-*")), before, held()
 
 
-def test_open_close_cycles_leave_no_shared_memory():
-    assert expect_ok(run_ranks(2, _open_close, 100)) == [[], []]
+@cases("net, world, cycles", ("", 2, 100), ("tcp", 3, 20))
+def test_open_close_cycles_leave_no_shared_memory_fd_or_thread(net, world, cycles):
+    for segments, before, after in expect_ok(run_ranks(world, _open_close, net, cycles, timeout=180)):
+        assert segments == [], segments
+        assert after == before, f"(fds, threads) {before} -> {after}"
 
 
 def _capacity_differs(store, rank, world):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 PKG = os.path.join(ROOT, "python", "rocenante", "model")
 spec = importlib.util.spec_from_file_location("rocenante_model", os.path.join(PKG, "__init__.py"),
                                               submodule_search_locations=[PKG])

@@ -285,7 +285,7 @@ def test_torch_compile_fullgraph_all_reduce_functional_and_custom_op():
 
 
 def test_torchrun_launch():
-    script = os.path.join(os.path.dirname(__file__), "torchrun_script.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "torchrun_script.py")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

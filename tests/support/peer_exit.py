@@ -1,0 +1,59 @@
+"""A peer's process that ends fails only the waits for that peer: a rank still receiving from others completes
+the call whose data the ended peer had already delivered, and its next call, which needs the ended peer, fails
+naming it. World 3: rank 2 is killed while it waits for rank 1, which is late; ranks 0 and 1 survive."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from multiproc import all_arrived, end_this_process_later, expect_ok
+from reference import make_input, poison, sequential_fp32
+
+WORLD = 3
+
+
+def rank_two_ends_mid_call(store, rank, world, device):
+    """`device`: "cpu", or "cuda" for the rank's GPU (tests/support/gpus.py)."""
+    import rocenante
+
+    if device == "cuda":
+        import gpus
+
+        device = gpus.use(rank)
+    comm = rocenante.Communicator(store, rank, world, device=device, timeout_s=30)
+    inputs = [[make_input(23, c, r, 5000, torch.float32, device) for r in range(world)] for c in range(2)]
+    out = poison(torch.empty(5000, device=device))
+    all_arrived(store, world, "start")
+    if rank == 2:
+        end_this_process_later("kill", 0.3)  # its data of call 1 is out by then; it waits for rank 1
+    if rank == 1:
+        time.sleep(1.0)  # late: rank 0 is still receiving from rank 1 when rank 2 ends
+    comm.all_reduce(inputs[0][rank], out=out)
+    comm.synchronize()
+    first = torch.equal(out, sequential_fp32(inputs[0], "sum"))
+    # Both survivors are done with call 1 before either makes call 2, whose fault (rank 2 is gone) would reach
+    # the other as an abort word, which over a network may overtake the call-1 data still on its way.
+    store.set(f"call-1-done/{rank}", "1")
+    store.wait([f"call-1-done/{1 - rank}"])
+    start = time.monotonic()
+    try:
+        comm.all_reduce(inputs[1][rank], out=poison(out))
+        comm.synchronize()
+    except rocenante.PeerAbortedError as err:
+        return first, str(err), time.monotonic() - start, bool(torch.isnan(out).all())
+    finally:
+        comm.close()
+    return first, "no error", 0.0, False
+
+
+def check(results) -> None:
+    assert results[2][0] == "died", results[2]
+    for rank, (first, message, seconds, poisoned) in enumerate(expect_ok(results[:2])):
+        assert first, f"rank {rank}: call 1, whose data every peer had delivered, did not return the right sum"
+        # Directly, the watchdog saw rank 2 end; over the TCP wire a proxy may see its connection close first (and
+        # the other survivor hear it from that proxy's abort word).
+        assert "rank 2's process ended" in message or "network path to rank 2 failed" in message, \
+            f"rank {rank}: {message}"
+        assert seconds < 2.0 and poisoned, f"rank {rank}: call 2 failed after {seconds:.2f} s, poisoned: {poisoned}"
