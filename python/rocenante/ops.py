@@ -21,3 +21,9 @@ def all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
 @all_reduce.register_fake
 def _(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# A collective is a side effect whether or not its output is used: every rank must make it, in program order.
+# Ordered effects thread a token through the op in the compiled graph, so the compiler neither removes it (where
+# only some ranks use the result, the ranks' calls would pair one off) nor moves it across another ordered op.
+torch.library._register_effectful_op(all_reduce._opoverload, torch.library.EffectType.ORDERED)

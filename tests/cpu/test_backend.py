@@ -284,6 +284,34 @@ def test_torch_compile_fullgraph_all_reduce_functional_and_custom_op():
     assert expect_ok(run_ranks(2, _compiled, timeout=600)) == [True, True]
 
 
+def _used_on_one_rank_only(store, rank, world):
+    """A compiled step whose custom all-reduce only rank 0 uses (code branching on the rank): the call must stay
+    in every rank's graph, or the ranks' calls pair one off (rank 0's with rank 1's next all-reduce)."""
+    import torch.distributed as dist
+
+    _init(store, rank, world)
+    group = dist.group.WORLD.group_name
+
+    @torch.compile(fullgraph=True)
+    def step(x):
+        y = torch.ops.rocenante.all_reduce(x, "sum", group)
+        return y * 2 if rank == 0 else x + 1
+
+    out = step(torch.full((8,), float(rank + 1)))
+    z = torch.full((8,), 100.0 + rank)
+    dist.all_reduce(z)
+    dist.destroy_process_group()
+    return out.tolist(), z.tolist()
+
+
+def test_torch_compile_keeps_a_custom_all_reduce_whose_output_is_unused(tmp_path, monkeypatch):
+    # A fresh compile cache: a graph cached by a version that let the compiler drop the call would be reused.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    results = expect_ok(run_ranks(2, _used_on_one_rank_only, timeout=600))
+    assert results[0] == ([6.0] * 8, [201.0] * 8), results[0]
+    assert results[1] == ([3.0] * 8, [201.0] * 8), results[1]
+
+
 def test_torchrun_launch():
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "torchrun_script.py")
     with socket.socket() as s:
