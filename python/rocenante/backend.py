@@ -187,27 +187,6 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._raise_if_broken()
         return self._fallback["cuda" if tensor.is_cuda else tensor.device.type]
 
-    def allreduce_coalesced(self, tensors, opts):
-        return self._delegate(tensors[0]).allreduce_coalesced(tensors, opts)
-
-    def allgather(self, output_tensors, input_tensors, opts):
-        return self._delegate(input_tensors[0]).allgather(output_tensors, input_tensors, opts)
-
-    def broadcast(self, tensors, opts):
-        return self._delegate(tensors[0]).broadcast(tensors, opts)
-
-    def reduce_scatter(self, output_tensors, input_tensors, opts):
-        return self._delegate(output_tensors[0]).reduce_scatter(output_tensors, input_tensors, opts)
-
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
-        return self._delegate(input).alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
-
-    def send(self, tensors, dst, tag):
-        return self._delegate(tensors[0]).send(tensors, dst, tag)
-
-    def recv(self, tensors, src, tag):
-        return self._delegate(tensors[0]).recv(tensors, src, tag)
-
     def barrier(self, opts):
         self._raise_if_broken()
         return self._fallback["cpu"].barrier(opts)
@@ -222,6 +201,47 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._comms.clear()
         _retired.extend(self._fallback.values())
         super().shutdown()
+
+
+# Every collective rocenante does not serve, under the names of every torch version it supports: the group's
+# fault first (_delegate), then the delegate of the device of the tensor at `where` among the arguments
+# (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
+# and for the backend (second) differently. barrier() is the one other override (above).
+_DELEGATED = {  # process group's name: (backend's name, where)
+    "allreduce_coalesced": ("allreduce_coalesced", (0, 0)),
+    "allgather": ("allgather", (1, 0)),
+    "allgather_coalesced": ("allgather_coalesced", (1, 0)),
+    "_allgather_base": ("_allgather_base", (1, None)),
+    "all_gather_single": ("_allgather_base", (1, None)),
+    "broadcast": ("broadcast", (0, 0)),
+    "reduce": ("reduce", (0, 0)),
+    "gather": ("gather", (1, 0)),
+    "scatter": ("scatter", (0, 0)),
+    "reduce_scatter": ("reduce_scatter", (0, 0)),
+    "_reduce_scatter_base": ("_reduce_scatter_base", (1, None)),
+    "reduce_scatter_single": ("_reduce_scatter_base", (1, None)),
+    "alltoall": ("alltoall", (1, 0)),
+    "alltoall_base": ("alltoall_base", (1, None)),
+    "all_to_all_single": ("alltoall_base", (1, None)),
+    "send": ("send", (0, 0)),
+    "recv": ("recv", (0, 0)),
+    "recv_anysource": ("recv_anysource", (0, 0)),
+}
+
+
+def _delegated(backend_name: str, where: tuple):
+    index, item = where
+
+    def collective(self, *args):
+        tensor = args[index] if item is None else args[index][item]
+        return getattr(self._delegate(tensor), backend_name)(*args)
+
+    return collective
+
+
+for _name, (_backend_name, _where) in _DELEGATED.items():
+    if hasattr(dist.ProcessGroup, _name):
+        setattr(RocenanteProcessGroup, _name, _delegated(_backend_name, _where))
 
 
 # Delegate groups of destroyed process groups, freed later by _free_retired(). Freeing a gloo group joins its

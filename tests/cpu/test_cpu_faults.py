@@ -250,3 +250,46 @@ def test_a_broken_backend_group_raises_the_original_fault_for_every_collective()
     assert isinstance(errors, list), errors
     assert errors[0] is not None and "rank 1's process ended" in errors[0], errors
     assert all(e == errors[0] for e in errors), errors
+
+
+def _every_collective_after_a_mismatch(store, rank, world):
+    """Both ranks fault alike (a call mismatch), then try every collective: each must raise that fault."""
+    import torch.distributed as dist
+
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    try:
+        dist.all_reduce(torch.ones(8 + rank))
+    except rocenante.CallMismatchError as err:
+        fault = str(err)
+    x, flat = torch.ones(4), torch.ones(4 * world)
+    parts = [torch.ones(4) for _ in range(world)]
+    collectives = {
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(4 * world), x),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, flat),
+        "reduce": lambda: dist.reduce(x, dst=0),
+        "gather": lambda: dist.gather(x, parts if rank == 0 else None, dst=0),
+        "scatter": lambda: dist.scatter(x, parts if rank == 0 else None, src=0),
+        "all_to_all": lambda: dist.all_to_all([torch.empty(4) for _ in range(world)], parts),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4 * world), flat),
+        "all_gather": lambda: dist.all_gather([torch.empty(4) for _ in range(world)], x),
+        "reduce_scatter": lambda: dist.reduce_scatter(x, parts),
+        "broadcast": lambda: dist.broadcast(x, src=0),
+        "float64 all_reduce": lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64)),
+        "barrier": lambda: dist.barrier(),
+        "send or recv": lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0),
+    }
+    wrong = []
+    for name, collective in collectives.items():
+        try:
+            collective()
+            wrong.append(f"{name} ran")
+        except rocenante.RocenanteError as err:
+            if str(err) != fault:
+                wrong.append(f"{name}: {err}")
+    dist.destroy_process_group()
+    return wrong
+
+
+def test_a_faulted_group_raises_its_fault_for_every_collective():
+    for rank, wrong in enumerate(expect_ok(run_ranks(2, _every_collective_after_a_mismatch, timeout=120))):
+        assert wrong == [], f"rank {rank}: {wrong}"
