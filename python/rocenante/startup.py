@@ -45,6 +45,8 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None) -> di
     ROCENANTE_CAPACITY_BYTES (a workspace that never serves more needs no larger region)."""
     entry = {"ok": True, "host": socket.gethostname(), "pid": os.getpid()}
     try:
+        # Every setting that can change the outcome is published, so that every rank decides from the same entries.
+        entry["strict"] = _env.strict()
         if _env.disabled():
             return {**entry, "ok": False, "why": "disabled by ROCENANTE_DISABLE=1"}
         device = torch.device(device)
@@ -52,7 +54,7 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None) -> di
         if capacity_at_most is not None:
             capacity = min(capacity, int(capacity_at_most))
         entry.update(capacity_bytes=capacity, timeout_s=_env.timeout_s(),
-                     threshold_bytes=_env.threshold_bytes(device.type, size))
+                     threshold_bytes=_env.threshold_bytes(device.type, size), net=_env.net())
         if device.type == "cpu":
             entry["device"] = "cpu"
         elif device.type == "cuda":
@@ -88,7 +90,7 @@ def disagreement(checks: list) -> Optional[str]:
             return (f"ranks {ranks} share a GPU: their kernels would take turns on it, milliseconds a call, or wait "
                     "for each other forever within one process (call torch.cuda.set_device(local_rank) before "
                     "init_process_group)")
-    for field in ("capacity_bytes", "threshold_bytes", "timeout_s"):
+    for field in ("capacity_bytes", "threshold_bytes", "timeout_s", "net", "strict"):
         values = [c[field] for c in checks]
         if len(set(values)) > 1:
             return f"ranks disagree on {field}: {values}"
@@ -121,19 +123,22 @@ class Started:
 def open_agreed(exchange: Exchange, store, rank: int, size: int, device, name: str, what: str,
                 capacity_at_most: Optional[int] = None, refusal: Optional[str] = None) -> Started:
     """Builds a communicator named `name` on `store` and self-tests it, with the verdict agreed through
-    `exchange`: every rank gets one, or none does. With ROCENANTE_STRICT=1 a failure raises RuntimeError on
-    every rank instead. `what` names the user in that message ("cuda", "vLLM group 'tp:0'"). `refusal`: why this
+    `exchange`: every rank gets one, or none does. With ROCENANTE_STRICT=1 on any rank a failure raises
+    RuntimeError on every rank instead. `what` names the user in that message ("cuda", "vLLM group 'tp:0'"). `refusal`: why this
     rank cannot take part where local_check does not see it (a bad argument), told to every rank."""
     local = local_check(device, size, capacity_at_most)
     threshold = local.get("threshold_bytes", 0)
     if refusal is not None:
         local = {**local, "ok": False, "why": refusal}
-    reason = disagreement(exchange("config", local))
+    checks = exchange("config", local)
+    reason = disagreement(checks)
+    strict = any(c.get("strict") for c in checks)  # a rank whose setting could not be read asked for nothing
     comm = None
     if reason is None:
         try:
             comm = Communicator(store, rank, size, device=local["device"], name=name,
-                                capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"])
+                                capacity_bytes=local["capacity_bytes"], timeout_s=local["timeout_s"],
+                                net=local["net"])
             self_test(comm, rank, size)
             local = {"ok": True}
         except Exception as err:  # any failure means going without, for every rank
@@ -151,8 +156,9 @@ def open_agreed(exchange: Exchange, store, rank: int, size: int, device, name: s
                 comm = None
     if reason is None:
         return Started(comm, "self-test passed on every rank", threshold)
-    if _env.strict():
-        raise RuntimeError(f"rocenante ({what}): {reason} (ROCENANTE_STRICT=1)")
+    if strict:
+        raise RuntimeError(f"rocenante ({what}): {reason} (ROCENANTE_STRICT=1 on rank(s) "
+                           f"{[r for r, c in enumerate(checks) if c.get('strict')]})")
     return Started(None, reason)
 
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -208,6 +209,23 @@ def test_strict_raises_on_every_rank_instead_of_falling_back():
     for state, reason in results:
         assert state == "raised"
         assert "ROCENANTE_STRICT=1" in reason and "rank 0: ValueError: ROCENANTE_CAPACITY_BYTES='-5'" in reason
+
+
+@pytest.mark.parametrize(
+    "env_by_rank, outcome, words",
+    [  # every setting that changes the outcome is read by every rank from what the ranks published
+        ({0: {"ROCENANTE_STRICT": "1", "ROCENANTE_DISABLE": "1"}, 1: {"ROCENANTE_DISABLE": "1"}}, "raised",
+         "ROCENANTE_STRICT=1 on rank(s) [0]"),
+        ({0: {"ROCENANTE_STRICT": "2"}}, "fell back", "rank 0: ValueError: ROCENANTE_STRICT='2'"),
+        ({0: {"ROCENANTE_NET": "tcp"}}, "fell back", "ranks disagree on net: ['tcp', '', '']"),
+    ],
+    ids=["strict-on-one-rank", "malformed-strict-on-one-rank", "net-on-one-rank"],
+)
+def test_settings_on_one_rank_give_every_rank_the_same_outcome(env_by_rank, outcome, words):
+    start = time.monotonic()
+    for rank, (state, reason) in enumerate(expect_ok(run_ranks(3, _fallback, env_by_rank, False, timeout=300))):
+        assert state == outcome and words in reason, f"rank {rank}: {state}: {reason}"
+    assert time.monotonic() - start < 60, "a rank waited for the others' verdict"
 
 
 def _reinit_and_new_group(store, rank, world):
