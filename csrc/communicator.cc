@@ -105,6 +105,12 @@ int open_pidfd(const Identity& peer) {
   return fd;
 }
 
+// Sets `bytes` of host memory at `begin` to dtype's poison (poison_word()).
+void poison_host(char* begin, size_t bytes, DType dtype) {
+  const uint32_t poison = poison_word(dtype);
+  for (size_t b = 0; b < bytes; b += sizeof(poison)) std::memcpy(begin + b, &poison, std::min(sizeof(poison), bytes - b));
+}
+
 // Largest pid a Linux kernel hands out (PID_MAX_LIMIT on 64-bit).
 constexpr int64_t kMaxPid = int64_t(1) << 22;
 
@@ -356,6 +362,11 @@ uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t&
 uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
   refuse_in_forked_child();  // before the lock, which a thread that did not fork may have held
   std::unique_lock<std::mutex> lock(issue_);
+  // A CPU call that a known fault stops before it starts computes nothing: its output is poisoned, as a faulted
+  // call's is (a GPU call's output is the kernel's to poison, and no kernel is launched).
+  if (kernel_ == nullptr && uint32_t(dtype) < kNumDTypes && count > 0 && current_fault() != 0 &&
+      validate_local(in, out, count, dtype) == nullptr)
+    poison_host(reinterpret_cast<char*>(out), count * dtype_size(dtype), dtype);
   check_issuable(dtype, op);
   if (count == 0) return issued_;  // nothing issued: it completes with the call before
   if (const char* why = validate_local(in, out, count, dtype)) {
@@ -379,9 +390,7 @@ uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DTy
     const uint64_t fault = issue(a, stream, epoch);
     if (fault == 0) continue;
     // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one.
-    const uint32_t poison = poison_word(dtype);
-    for (size_t b = (first + a.count) * esize; b < count * esize; b += sizeof(poison))
-      std::memcpy(reinterpret_cast<char*>(out) + b, &poison, std::min(sizeof(poison), count * esize - b));
+    poison_host(reinterpret_cast<char*>(out) + (first + a.count) * esize, (count - first - a.count) * esize, dtype);
     if (record(fault, epoch)) tell_peers(fault, epoch);
     fail(fault_.load(), describe_call(count, dtype, op));
   }
@@ -507,7 +516,19 @@ std::string Communicator::message(const std::string& this_call) {
 
 uint64_t Communicator::current_fault() {
   if (const uint64_t f = fault_.load()) return f;
-  if (kernel_ == nullptr) return 0;
+  if (kernel_ == nullptr) {
+    // CPU: a peer's fault reaches this rank's region as an abort word, which a call whose data had all arrived
+    // did not read. Every later call and check() read it here, so that no rank goes on past a peer's fault.
+    if (transport_ == nullptr) return 0;
+    AllReduceArgs a{};
+    a.rank = rank_;
+    a.world = world_;
+    a.local = transport_->local_region();
+    const uint32_t nobody = 0;  // waits for no one: ended peers (kPeersExited) are no fault by themselves
+    if (const uint64_t f = abort_seen(a, nobody, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
+      record(f, next_epoch(issued_));  // seen before this rank's next call
+    return fault_.load();
+  }
   const FaultRecord r = kernel_->fault();
   // The kernel told its direct peers (abort words over NVLink); network peers hear it from here.
   if (r.word != 0 && record(r.word, r.epoch) && network_ != 0) tell_peers(r.word, r.epoch);

@@ -40,11 +40,12 @@ def _from_env(name: str, parse, default):
     return _positive(f"{name}={raw!r}", value)
 
 
-def timeout_s(given=None) -> float:
-    """The bound on every wait for a peer, in seconds: `given` (timeout_s=), else ROCENANTE_TIMEOUT_S. Longer
-    values, inf included, are clamped to _C.max_timeout_s (1e9 s, about 31.7 years), the most the core counts."""
+def timeout_s(given=None, group=None) -> float:
+    """The bound on every wait for a peer, in seconds: `given` (timeout_s=), else ROCENANTE_TIMEOUT_S, else
+    `group` (a process group's timeout=, seconds), else DEFAULT_TIMEOUT_S. Longer values, inf included, are
+    clamped to _C.max_timeout_s (1e9 s, about 31.7 years), the most the core counts."""
     if given is None:
-        value = _from_env("ROCENANTE_TIMEOUT_S", float, DEFAULT_TIMEOUT_S)
+        value = _from_env("ROCENANTE_TIMEOUT_S", float, DEFAULT_TIMEOUT_S if group is None else float(group))
     else:
         value = _positive(f"timeout_s={given!r}", float(given))
     return min(value, _C.max_timeout_s)

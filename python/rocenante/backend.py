@@ -121,7 +121,8 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     def _start(self, store, rank, size, device_type, timeout, group_name) -> None:
         exchange = startup.store_exchange(store, f"rocenante/selftest/{device_type}", rank, size, timeout)
         comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
-        started = startup.open_agreed(exchange, comm_store, rank, size, device_type, group_name, device_type)
+        started = startup.open_agreed(exchange, comm_store, rank, size, device_type, group_name, device_type,
+                                      group_timeout=timeout)
         fallback = "gloo" if isinstance(self._fallback[device_type], ProcessGroupGloo) else "nccl"
         self._status[device_type] = {
             "active": started.comm is not None,

@@ -39,10 +39,12 @@ def store_exchange(store, prefix: str, rank: int, size: int, timeout: datetime.t
     return exchange
 
 
-def local_check(device, size: int, capacity_at_most: Optional[int] = None) -> dict:
+def local_check(device, size: int, capacity_at_most: Optional[int] = None,
+                group_timeout: Optional[datetime.timedelta] = None) -> dict:
     """What this rank can tell alone: its configuration, or why it cannot take part. `device` is "cpu" or a
     CUDA device ("cuda" alone: the current one); `size` the number of ranks; `capacity_at_most` caps
-    ROCENANTE_CAPACITY_BYTES (a workspace that never serves more needs no larger region)."""
+    ROCENANTE_CAPACITY_BYTES (a workspace that never serves more needs no larger region); `group_timeout`, the
+    process group's timeout=, bounds every wait unless ROCENANTE_TIMEOUT_S is set."""
     entry = {"ok": True, "host": socket.gethostname(), "pid": os.getpid()}
     try:
         # Every setting that can change the outcome is published, so that every rank decides from the same entries.
@@ -53,7 +55,8 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None) -> di
         capacity = _env.capacity_bytes()
         if capacity_at_most is not None:
             capacity = min(capacity, int(capacity_at_most))
-        entry.update(capacity_bytes=capacity, timeout_s=_env.timeout_s(),
+        group_s = None if group_timeout is None else group_timeout.total_seconds()
+        entry.update(capacity_bytes=capacity, timeout_s=_env.timeout_s(group=group_s),
                      threshold_bytes=_env.threshold_bytes(device.type, size), net=_env.net())
         if device.type == "cpu":
             entry["device"] = "cpu"
@@ -121,12 +124,13 @@ class Started:
 
 
 def open_agreed(exchange: Exchange, store, rank: int, size: int, device, name: str, what: str,
-                capacity_at_most: Optional[int] = None, refusal: Optional[str] = None) -> Started:
+                capacity_at_most: Optional[int] = None, refusal: Optional[str] = None,
+                group_timeout: Optional[datetime.timedelta] = None) -> Started:
     """Builds a communicator named `name` on `store` and self-tests it, with the verdict agreed through
     `exchange`: every rank gets one, or none does. With ROCENANTE_STRICT=1 on any rank a failure raises
     RuntimeError on every rank instead. `what` names the user in that message ("cuda", "vLLM group 'tp:0'"). `refusal`: why this
     rank cannot take part where local_check does not see it (a bad argument), told to every rank."""
-    local = local_check(device, size, capacity_at_most)
+    local = local_check(device, size, capacity_at_most, group_timeout)
     threshold = local.get("threshold_bytes", 0)
     if refusal is not None:
         local = {**local, "ok": False, "why": refusal}

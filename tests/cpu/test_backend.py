@@ -228,6 +228,45 @@ def test_settings_on_one_rank_give_every_rank_the_same_outcome(env_by_rank, outc
     assert time.monotonic() - start < 60, "a rank waited for the others' verdict"
 
 
+def _late_rank_with_the_group_timeout(store, rank, world):
+    """init_process_group(timeout=2 s), ROCENANTE_TIMEOUT_S unset: rank 1 comes 4 s late to an all-reduce."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import rocenante
+
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=2))
+    dist.all_reduce(torch.ones(100))
+    if rank == 1:
+        time.sleep(4)
+    outcomes = []
+    for name, collective in (("all_reduce", lambda: dist.all_reduce(torch.ones(100))),
+                             ("broadcast", lambda: dist.broadcast(torch.ones(4), src=0))):
+        start = time.monotonic()
+        try:
+            collective()
+            outcomes.append((name, "ran", time.monotonic() - start, ""))
+        except rocenante.RocenanteError as err:
+            outcomes.append((name, type(err).__name__, time.monotonic() - start, str(err)))
+    dist.destroy_process_group()
+    return outcomes
+
+
+def test_the_group_timeout_bounds_the_waits_and_a_late_rank_meets_the_fault(monkeypatch):
+    monkeypatch.delenv("ROCENANTE_TIMEOUT_S", raising=False)
+    first, late = expect_ok(run_ranks(2, _late_rank_with_the_group_timeout, timeout=120))
+    (_, kind, seconds, message), broadcast = first
+    assert kind == "PeerTimeoutError" and "timed out after 2 s waiting for rank(s) 1" in message, first
+    assert 1.5 < seconds < 3.5, f"rank 0 waited {seconds:.1f} s with a 2 s group timeout"
+    assert broadcast[1] == "PeerTimeoutError" and broadcast[3] == message, broadcast
+    # Rank 1's data had arrived, but rank 0's abort word says the group faulted: neither collective runs.
+    for name, kind, seconds, words in late:
+        assert kind == "PeerTimeoutError" and "rank 0 aborted the communicator: a wait for rank(s) 1 timed out" in words \
+            and seconds < 1.0, (name, kind, seconds, words)
+
+
 def _reinit_and_new_group(store, rank, world):
     import torch.distributed as dist
 

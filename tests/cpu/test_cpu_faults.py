@@ -201,13 +201,14 @@ def _interrupted(store, rank, world):
         raise AssertionError(f"the call returned after {time.monotonic() - start:.2f} s, not interrupted "
                              f"(SIGINT handler and blocked signals as inherited: {inherited})")
     store.wait(["rank 0 is done"])  # late by construction, however slowly rank 0 got to its call
-    # Rank 0 pushed its input before it was interrupted, so this first call may complete, exactly.
-    x = comm.all_reduce(torch.ones(100))
-    assert torch.equal(x, torch.full((100,), 2.0))
+    # Rank 0 pushed its input before it was interrupted, but its abort word is here too: the group has faulted,
+    # so this call raises before it starts, its output poisoned, instead of completing with rank 0's data.
     start = time.monotonic()
+    out = torch.empty(100)
     try:
-        comm.all_reduce(torch.ones(100))
+        comm.all_reduce(torch.ones(100), out=out)
     except rocenante.RocenanteError as err:
+        assert torch.isnan(out).all(), "the refused call's output is not poisoned"
         return type(err).__name__, str(err), time.monotonic() - start
     raise AssertionError("a call after rank 0 was interrupted returned")
 
