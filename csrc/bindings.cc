@@ -116,7 +116,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dtype"), py::arg("eps"), py::arg("weight_bias"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>())
       .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
-      .def("check", &Communicator::check)  // reads two words: not worth releasing the GIL
+      .def("check", &Communicator::check)  // reads a few words (waits only for a close() under way)
       .def("faulted_by", &Communicator::faulted_by, py::arg("call"))
       .def_property_readonly("captured", &Communicator::captured)
       .def("stream_done", &Communicator::stream_done, py::arg("stream"))

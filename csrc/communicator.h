@@ -159,7 +159,7 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order
-  // Guards kernel_ and transport_ for what runs beside the calls (check(), fault_call(), stream_done(), the
+  // Guards kernel_ and transport_ for what runs beside the calls (check(), faulted_by(), stream_done(), the
   // watchdog's watch(), from any thread, the GIL not held): shared there, exclusive where close() resets them.
   mutable std::shared_mutex lifetime_;
   std::atomic<uint32_t> issued_;           // the epoch of the last call (piece) issued, from first_epoch_ on
