@@ -21,6 +21,8 @@
 #   rest              every other file of tests/gpu (backend, plugins, soak, bench, ...)        about 220 s
 # On 2 x H200 the suite before worlds 3-8 took about 10 minutes (4adb2a6: 585 s, and about 100 s more for the
 # network-path tests): there too, run it in parts.
+# ROCENANTE_PREBUILT=DIR skips the build and imports rocenante from DIR, a `pip install --target DIR` of this tree
+# made elsewhere for that machine's Python (a device lease then spends no minute building; README, GPU tests).
 set -uo pipefail
 out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [bench args...]}
 what=${2:-all}
@@ -48,8 +50,14 @@ command -v compute-sanitizer > /dev/null || { echo "compute-sanitizer not found"
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpus.txt"
 nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 arch=${CMAKE_CUDA_ARCHITECTURES:-90}
-python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" \
-  > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+if [[ -n ${ROCENANTE_PREBUILT:-} ]]; then
+  export PYTHONPATH=$(cd "$ROCENANTE_PREBUILT" && pwd)${PYTHONPATH:+:$PYTHONPATH}
+else
+  python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" \
+    > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+fi
+python3 -c 'import rocenante, sys; print("rocenante from", rocenante.__file__, "python", sys.version.split()[0])' |
+  tee -a "$out/gpus.txt" || exit 1
 status=0
 if [[ $what == tests || $what == all ]]; then
   (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rsP -m gpu "${selection[@]}" \

@@ -7,10 +7,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <fstream>
+#include <future>
+#include <thread>
 
 #include "errors.h"
 #include "watchdog.h"
@@ -629,6 +633,88 @@ void Communicator::fail(uint64_t fault, const std::string& this_call) {
   }
 }
 
+namespace {
+
+// CUDA gives device memory back through frees that wait until the whole device is idle (cudaFree, cudaFreeHost,
+// cudaHostUnregister: measured on an H200), so freeing a GPU communicator's regions and state would make
+// close() wait for other communicators' kernels and the caller's. close() waits for its own work only; then it
+// hands what holds memory to this process-wide thread, which destroys it in order (the transport, then the
+// kernel state), and waits for that at most kReleaseWaitS: on an idle device the memory is back by then; behind
+// someone else's long kernel it comes back when the kernel ends. At exit the thread finishes its queue first
+// (registered with atexit after CUDA's own teardown was, so it runs before it). A forked child never has the
+// thread: whatever it created it releases inline.
+constexpr double kReleaseWaitS = 0.2;
+
+class Releaser {
+ public:
+  static Releaser& instance() {
+    static Releaser* const releaser = new Releaser;  // never destroyed: drain() ends its thread at exit
+    return *releaser;
+  }
+
+  // Destroys `transport`, then `kernel`, on the thread; returns once done or after kReleaseWaitS.
+  void release(std::unique_ptr<Transport> transport, std::unique_ptr<OneshotKernel> kernel) {
+    if (getpid() != creator_) {  // a forked child: the thread is the parent's
+      transport.reset();
+      kernel.reset();
+      return;
+    }
+    auto done = std::make_shared<std::promise<void>>();
+    std::future<void> released = done->get_future();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(Job{std::move(transport), std::move(kernel), std::move(done)});
+    }
+    ready_.notify_one();
+    released.wait_for(std::chrono::duration<double>(kReleaseWaitS));
+  }
+
+ private:
+  struct Job {
+    std::unique_ptr<Transport> transport;
+    std::unique_ptr<OneshotKernel> kernel;
+    std::shared_ptr<std::promise<void>> done;
+  };
+
+  Releaser() : creator_(getpid()), thread_([this] { run(); }) {
+    std::atexit([] { instance().drain(); });
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left
+      Job job = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      job.transport.reset();  // before the kernel state, as close() always did
+      job.kernel.reset();
+      job.done->set_value();
+      lock.lock();
+    }
+  }
+
+  void drain() {
+    if (getpid() != creator_) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+
+  const pid_t creator_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Job> queue_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+}  // namespace
+
 void Communicator::close() {
   if (in_forked_child()) {
     // The regions, sockets, queue pairs, proxy thread, kernel state and watchdog entry are the creator's: shared
@@ -649,9 +735,11 @@ void Communicator::close() {
     kernel_->wait_idle(captured_ ? kNoEpoch : launched_, 2 * timeout_s_ + 10);
   Watchdog::remove(this);  // from here on the watchdog no longer reads this communicator
   std::unique_lock<std::shared_mutex> gone(lifetime_);
-  if (kernel_ != nullptr) count_on_device(-1);
-  kernel_.reset();
-  transport_.reset();
+  if (kernel_ != nullptr) {
+    count_on_device(-1);
+    Releaser::instance().release(std::move(transport_), std::move(kernel_));
+  }
+  transport_.reset();  // a CPU communicator's: shared memory, no CUDA
   for (int& fd : pidfds_)
     if (fd >= 0) ::close(fd), fd = -1;
 }

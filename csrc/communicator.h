@@ -78,7 +78,9 @@ class Communicator {
   [[noreturn]] void refuse(const std::string& why);
   // Raises the communicator's fault, if it has one (a kernel's, a peer's, a refusal); otherwise nothing.
   void check();
-  // Releases what the communicator holds; idempotent. In a forked child it releases nothing (the creator's).
+  // Waits for this communicator's own calls, then releases what it holds (a GPU communicator's memory through
+  // the release thread, communicator.cc: it never waits for other work of the device); idempotent. In a forked
+  // child it releases nothing (the creator's).
   void close();
 
   // For the watchdog thread (watchdog.h): reads the peers' process handles and the kernel's fault record.

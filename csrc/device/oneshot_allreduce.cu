@@ -445,8 +445,12 @@ class CudaOneshotKernel final : public OneshotKernel {
       std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
-      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord), cudaHostAllocMapped));
+      // The fault record, then room for wait_idle()'s copies of the epochs (allocated here: a cudaFreeHost in
+      // wait_idle() would wait for the whole device).
+      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord) + kMaxBlocks * sizeof(uint32_t),
+                                         cudaHostAllocMapped));
       *host_ = FaultRecord{};
+      epoch_copies_ = reinterpret_cast<uint32_t*>(host_ + 1);
       ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_.record), host_, 0));
       ROCENANTE_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     } catch (...) {
@@ -566,15 +570,14 @@ class CudaOneshotKernel final : public OneshotKernel {
   }
 
   // Polls every epoch copy (each launch advances each copy once, at the end of the CTA that owns it) until all
-  // hold `next`, through a stream of its own that waits for nothing else. False if CUDA failed or `bound_s` passed.
+  // hold `next`, through a stream of its own that waits for nothing else, into pinned memory the kernel state
+  // already holds (nothing here waits for other work of the device). False if CUDA failed or `bound_s` passed.
   bool epochs_reach(uint32_t next, double bound_s) noexcept {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(bound_s);
     cudaStream_t probe = nullptr;
-    uint32_t* copies = nullptr;
     bool reached = false;
-    if (cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) == cudaSuccess &&
-        cudaHostAlloc(reinterpret_cast<void**>(&copies), state_.copies * sizeof(uint32_t), cudaHostAllocDefault) ==
-            cudaSuccess) {
+    uint32_t* const copies = epoch_copies_;
+    if (cudaStreamCreateWithFlags(&probe, cudaStreamNonBlocking) == cudaSuccess) {
       while (cudaMemcpyAsync(copies, state_.epochs, state_.copies * sizeof(uint32_t), cudaMemcpyDeviceToHost, probe) ==
                  cudaSuccess &&
              cudaStreamSynchronize(probe) == cudaSuccess) {
@@ -586,7 +589,6 @@ class CudaOneshotKernel final : public OneshotKernel {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     }
-    if (copies != nullptr) cudaFreeHost(copies);
     if (probe != nullptr) cudaStreamDestroy(probe);
     return reached;
   }
@@ -601,6 +603,7 @@ class CudaOneshotKernel final : public OneshotKernel {
   LaunchBounds max_blocks_{};  // CTAs of one launch at most, per kernel; the largest is the number of epoch copies
   DeviceState state_{};
   FaultRecord* host_ = nullptr;  // mapped: state_.record is its device address
+  uint32_t* epoch_copies_ = nullptr;  // in host_'s allocation, after the record: wait_idle()'s view of the epochs
   cudaEvent_t order_event_ = nullptr;
   std::optional<cudaStream_t> previous_stream_;
 };

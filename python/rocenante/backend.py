@@ -35,6 +35,15 @@ _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.
 _OP_TYPES = {name: op for op, name in _OPS.items()}
 
 
+def _stream_of(raw_stream: int, device) -> torch.cuda.Stream:
+    """The torch stream of a raw handle. Handle 0, the default stream, is torch's default stream:
+    torch.cuda.ExternalStream(0) would be a fresh stream of torch's pool instead (a zero stream_ptr reads as none
+    given), which orders nothing after the default stream's work."""
+    if raw_stream == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(raw_stream, device=device)
+
+
 class _Work(Work):
     """Work of a rocenante all-reduce, as ProcessGroupNCCL's. On the CPU the call has completed. On CUDA its kernel
     is enqueued on the stream that was current at the call (kept as a raw handle: no Stream object on the hot
@@ -62,8 +71,7 @@ class _Work(Work):
         self._raise_fault()
         device = None if self._comm is None else self._comm.device
         if device is not None and _current_raw_stream(device.index) != self._raw_stream:
-            producer = torch.cuda.ExternalStream(self._raw_stream, device=device)
-            torch.cuda.current_stream(device).wait_stream(producer)
+            torch.cuda.current_stream(device).wait_stream(_stream_of(self._raw_stream, device))
         return True
 
     def is_completed(self):
@@ -81,7 +89,7 @@ class _Work(Work):
         except Exception as err:
             future.set_exception(err)
             return future
-        with torch.cuda.stream(torch.cuda.ExternalStream(self._raw_stream, device=device)):
+        with torch.cuda.stream(_stream_of(self._raw_stream, device)):
             future.set_result(self._tensors)  # records an event on this stream, which the future's waiters wait for
         return future
 

@@ -64,7 +64,18 @@ def _cuda_paths(store, rank, world, delegate):
         work.wait()
         doubled = z * 2
     torch.cuda.synchronize()
-    assert torch.equal(doubled, torch.full_like(z, 2.0 * world * (world + 1) / 2))
+    want = 2.0 * world * (world + 1) / 2
+    assert torch.equal(doubled, torch.full_like(z, want)), (
+        f"async: doubled holds {doubled.unique().tolist()[:8]}, z {z.unique().tolist()[:8]}, want {want}; "
+        f"{z.numel() * 4} bytes, threshold {st['cuda']['threshold_bytes']}, kernel calls {len(calls)}")
+
+    # The same for the Work's future, read on another stream (the call was made on the default stream, handle 0).
+    z = torch.full((1 << 18,), float(rank + 1), device=dev)
+    future = dist.all_reduce(z, async_op=True).get_future()
+    with torch.cuda.stream(other):
+        doubled = future.wait()[0] * 2
+    torch.cuda.synchronize()
+    assert torch.equal(doubled, torch.full_like(z, want)), f"future: doubled holds {doubled.unique().tolist()[:8]}"
 
     # CUDA graph capture of dist.all_reduce, replayed with new inputs.
     g_in = torch.empty(4099, dtype=torch.bfloat16, device=dev)

@@ -65,14 +65,38 @@ def _two_streams(store, rank, world, iters, via_backend):
             rb = reduce(b)
         cur.wait_stream(s1)
         cur.wait_stream(s2)
-        if not (torch.equal(ra, _want(i, 0, n, world, dev)) and torch.equal(rb, _want(i, 1, n, world, dev))):
-            raise AssertionError(f"iteration {i}: a wrong sum")
+        for k, got in ((0, ra), (1, rb)):
+            if not torch.equal(got, _want(i, k, n, world, dev)):
+                raise AssertionError(f"iteration {i}: a wrong sum on stream {k + 1}: {_diagnose(got, i, k, n, rank, dev)}")
     torch.cuda.synchronize()
     if via_backend:
         dist.destroy_process_group()
     else:
         comm.close()
     return iters
+
+
+def _diagnose(got, i, k, n, rank, dev):
+    """What the wrong elements of call (i, k) hold: how many, where, and whether they are this rank's input plus
+    the peer's input of an earlier call (stale data), the input alone, or an output not yet written."""
+    want = _want(i, k, n, WORLD, dev)
+    wrong = (got != want).nonzero().flatten()
+    own = make_input(i, k, rank, n, torch.float32, dev)
+    peer = 1 - rank
+    found = []
+    for back in range(1, 7):  # the peer's inputs of the 6 calls before this one
+        j, kk = divmod(2 * i + k - back, 2)
+        if j < 0:
+            break
+        m = (1024, 1 << 18)[j % 2]
+        earlier = make_input(j, kk, peer, m, torch.float32, dev)
+        idx = wrong[wrong < m]
+        if idx.numel() and torch.equal(got[idx], own[idx] + earlier[idx]):
+            found.append(f"own + peer's input of call {back} back")
+    if torch.equal(got[wrong], own[wrong]):
+        found.append("own input alone")
+    return (f"{wrong.numel()} of {n} wrong, indices {wrong.min().item()}..{wrong.max().item()}, "
+            f"first got {got[wrong[0]].item()} want {want[wrong[0]].item()}; matches: {found or 'nothing known'}")
 
 
 @cases("net, via_backend", ("", False), ("tcp", False), ("", True))
