@@ -157,8 +157,7 @@ def _refusals(store, rank, world):
     for kwargs, named in [({"pattern": 2}, "pattern 2"), ({"pattern": 0, "quant_out": x}, "quant_out"),
                           ({"pattern": 1, "scale_factor": 1.0}, "scale_factor"),
                           ({"pattern": 7, "moe_finalize_backend": "cake"}, "moe_finalize_backend"),
-                          ({"pattern": 1}, "needs residual_in and rms_gamma"),
-                          ({"pattern": 1, "residual_in": x, "rms_gamma": torch.ones(63)}, "rms_gamma must have")]:
+                          ({"pattern": 1}, "needs residual_in and rms_gamma")]:
         with pytest.raises(ValueError, match=named):
             allreduce_fusion(x, ws, **kwargs)
     # The fused kernel is for GPUs: on CPU the plugin runs the all-reduce and torch's ops (above), and asking
@@ -314,6 +313,44 @@ def _wrong_device_on_one_rank(store, rank, world):
     except (ValueError, rocenante.RocenanteError) as err:  # InvalidArgument is a ValueError
         raised = (type(err).__name__, str(err))
     return raised, time.monotonic() - start
+
+
+def _fusion_refused_on_one_rank(store, rank, world, wrong):
+    """kARResidualRMSNorm where rank 1's tensors do not fit (`wrong`), a bug only rank 1 can see."""
+    import time
+
+    import rocenante
+    from rocenante.flashinfer import AllReduceFusionPattern as P
+    from rocenante.flashinfer import allreduce_fusion, create_allreduce_fusion_workspace
+
+    group = _init(store, rank, world)
+    ws = create_allreduce_fusion_workspace("rocenante", world, rank, 8, 64, torch.float32, group=group)
+    x, residual, gamma = torch.ones(2, 64), torch.zeros(2, 64), torch.ones(64)
+    if rank == 1:
+        if wrong == "meta input":
+            x = torch.ones(2, 64, device="meta")
+        elif wrong == "strided input":
+            x = torch.ones(64, 2).t()
+        elif wrong == "residual shape":
+            residual = torch.zeros(3, 64)
+        else:
+            gamma = torch.ones(63)
+    start = time.monotonic()
+    try:
+        allreduce_fusion(x, ws, P.kARResidualRMSNorm, residual_in=residual, rms_gamma=gamma)
+        raised = None
+    except (ValueError, rocenante.RocenanteError) as err:
+        raised = (type(err).__name__, str(err))
+    return raised, time.monotonic() - start
+
+
+@pytest.mark.parametrize("wrong, named", [("meta input", "input is on meta"), ("strided input", "contiguous"),
+                                          ("residual shape", "residual_in must be"), ("gamma", "rms_gamma must")])
+def test_a_fused_call_that_does_not_fit_on_one_rank_fails_every_rank_at_once(wrong, named):
+    (err0, t0), (err1, t1) = expect_ok(run_ranks(2, _fusion_refused_on_one_rank, wrong, timeout=240))
+    assert err1 is not None and err1[0] == "InvalidArgument" and named in err1[1], err1
+    assert err0 is not None and "rank 1" in err0[1], err0
+    assert t0 < 30, f"rank 0 learned of it after {t0:.1f} s (its timeout is 300 s)"
 
 
 def test_a_tensor_on_the_wrong_device_on_one_rank_fails_every_rank_at_once():

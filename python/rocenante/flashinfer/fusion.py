@@ -193,6 +193,12 @@ def allreduce_fusion(
       give the same ``residual_out`` bits; ``norm_out`` may differ by one unit in the last place in bf16/fp16,
       by less than 2^-16 relative in fp32 (the row's squares are added in another order).
 
+    Arguments that choose what runs (the pattern, another pattern's arguments, a missing ``residual_in`` or
+    ``rms_gamma``) raise ValueError and leave the workspace usable: SPMD code passes them alike on every rank.
+    A tensor that does not fit (device, contiguity, shape, dtype) is something only this rank can see, while its
+    peers may be in the call already: the call is refused on every rank at once (ValueError here, the peers
+    raise an error naming this rank), and the workspace is faulted.
+
     Accepted and without effect here: ``launch_with_pdl`` and ``trigger_completion_at_end`` (rocenante's
     kernel always waits for its predecessor's writes and completes at its end), ``use_oneshot`` (always
     one-shot), ``fp32_acc`` (rocenante always accumulates in fp32, in rank order), ``layout_code`` (FlashInfer
@@ -218,22 +224,29 @@ def allreduce_fusion(
     if stray:
         raise ValueError(f"a rocenante workspace runs kAllReduce and kARResidualRMSNorm; {', '.join(stray)} "
                          "belong to other patterns (use a FlashInfer workspace for those)")
-    if not input.is_contiguous():
-        raise ValueError("input must be contiguous")
     comm = workspace.allreduce
-    if pattern == AllReduceFusionPattern.kAllReduce:
-        return comm.all_reduce(input, out=output)
-    if pattern != AllReduceFusionPattern.kARResidualRMSNorm:
+    if pattern not in (AllReduceFusionPattern.kAllReduce, AllReduceFusionPattern.kARResidualRMSNorm):
         raise ValueError(f"pattern {pattern}: a rocenante workspace runs kAllReduce (0) and kARResidualRMSNorm "
                          "(1); use a FlashInfer workspace for the others")
-    if residual_in is None or rms_gamma is None:
+    if pattern == AllReduceFusionPattern.kARResidualRMSNorm and (residual_in is None or rms_gamma is None):
         raise ValueError("kARResidualRMSNorm needs residual_in and rms_gamma")
+    # What the tensors are only this rank can see, and its peers may be in the call already: a check that fails
+    # refuses the call, which tells them at once (the workspace is faulted on every rank).
+    refuse = comm._alive()._refuse
+    if input.device != comm.device:
+        refuse(f"input is on {input.device} but the workspace was built on {comm.device}")
+    if not input.is_contiguous():
+        refuse("input must be contiguous")
+    if pattern == AllReduceFusionPattern.kAllReduce:
+        return comm.all_reduce(input, out=output)
     for name, t in (("residual_in", residual_in), ("residual_out", residual_out), ("norm_out", norm_out)):
-        if t is not None and (t.shape != input.shape or t.dtype != input.dtype or not t.is_contiguous()):
-            raise ValueError(f"{name} must be contiguous, of the input's shape {tuple(input.shape)} and dtype "
-                             f"{input.dtype}; got {tuple(t.shape)} {t.dtype}")
-    if rms_gamma.shape != input.shape[-1:]:
-        raise ValueError(f"rms_gamma must have shape {tuple(input.shape[-1:])}, got {tuple(rms_gamma.shape)}")
+        if t is not None and (t.shape != input.shape or t.dtype != input.dtype or t.device != input.device
+                              or not t.is_contiguous()):
+            refuse(f"{name} must be contiguous, of the input's shape {tuple(input.shape)}, dtype {input.dtype} and "
+                   f"device {input.device}; got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if rms_gamma.shape != input.shape[-1:] or rms_gamma.device != input.device:
+        refuse(f"rms_gamma must have shape {tuple(input.shape[-1:])} on {input.device}, got "
+               f"{tuple(rms_gamma.shape)} on {rms_gamma.device}")
     if residual_out is None:
         residual_out = torch.empty_like(input)
     if norm_out is None:

@@ -113,9 +113,9 @@ class RocenanteAllReduceWorkspace:
         comm = self._alive()
         if inp.device != self.device:  # only this rank can see it: its peers learn of it at once (they fault too)
             comm._refuse(f"input is on {inp.device} but the workspace was built on {self.device}")
-        if not self.supports(inp):
-            raise ValueError(f"unsupported shape {tuple(inp.shape)} dtype {inp.dtype} at {self.world_size} ranks "
-                             f"(capacity {self.max_bytes} bytes); check supports() first")
+        if not self.supports(inp):  # this rank's shape: refused on every rank too
+            comm._refuse(f"unsupported shape {tuple(inp.shape)} dtype {inp.dtype} at {self.world_size} ranks "
+                         f"(capacity {self.max_bytes} bytes); check supports() first")
         return comm.all_reduce(inp, out=out)  # an `out` that does not match is refused the same way
 
     def prepare(self, shapes: Sequence[Tuple[int, int]], *, dtype: torch.dtype = torch.bfloat16
