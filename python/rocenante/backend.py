@@ -11,7 +11,9 @@ configuration), so ranks never take different paths.
 At creation each device type runs a startup self-test: every rank checks its configuration, then the group
 builds a Communicator and all-reduces known data; the verdict is agreed through the store, so either every
 rank uses rocenante for that device type or every rank falls back. `rocenante.status(group)` tells which
-and why.
+and why. In a group that also serves CUDA tensors the CPU path starts at the group's first all-reduce of a
+CPU tensor instead (every rank makes that call, so they start it together): its shared-memory region,
+3 x (world - 1) x capacity, is then held only by groups that use it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
 
 logger = logging.getLogger("rocenante")
 
-_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
-_OP_TYPES = {name: op for op, name in _OPS.items()}
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}  # what rocenante serves
+_OP_TYPES = {**{name: op for op, name in _OPS.items()}, "product": ReduceOp.PRODUCT}  # the custom op's names
 
 
 def _stream_of(raw_stream: int, device) -> torch.cuda.Stream:
@@ -73,6 +75,9 @@ class _Work(Work):
         if device is not None and _current_raw_stream(device.index) != self._raw_stream:
             torch.cuda.current_stream(device).wait_stream(_stream_of(self._raw_stream, device))
         return True
+
+    def result(self):
+        return self._tensors
 
     def is_completed(self):
         return self._comm is None or self._comm._c.stream_done(self._raw_stream)
@@ -118,15 +123,23 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             self._fallback["cuda"] = nccl
         self._comms: dict[str, Communicator] = {}
         self._status: dict[str, dict] = {}
+        self._start_args = (store, rank, size, timeout, group_name)
+        self._unstarted = {"cpu"} if "cuda" in self._fallback else set()  # see the module's docstring
         for device_type in self._fallback:
-            self._start(store, rank, size, device_type, timeout, group_name)
+            if device_type in self._unstarted:
+                self._status[device_type] = {"active": False, "threshold_bytes": 0, "fallback": "gloo",
+                                             "reason": "not started: the group's first CPU all-reduce starts it"}
+            else:
+                self._start(device_type)
 
     def getBackendName(self) -> str:
         return "rocenante"
 
     # ---- startup self-test ----
 
-    def _start(self, store, rank, size, device_type, timeout, group_name) -> None:
+    def _start(self, device_type) -> None:
+        self._unstarted.discard(device_type)
+        store, rank, size, timeout, group_name = self._start_args
         exchange = startup.store_exchange(store, f"rocenante/selftest/{device_type}", rank, size, timeout)
         comm_store = dist.PrefixStore(f"rocenante/{device_type}/", store)
         started = startup.open_agreed(exchange, comm_store, rank, size, device_type, group_name, device_type,
@@ -146,12 +159,15 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     # ---- collectives ----
 
     def _eligible(self, t: torch.Tensor, op: str | None) -> Communicator | None:
-        """The communicator that serves this all-reduce, or None. Only rank-shared facts decide."""
+        """The communicator that serves this all-reduce, or None. Only rank-shared facts decide; a path not
+        started yet starts here, at the same call on every rank."""
         device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+        if device_type in self._unstarted:
+            self._start(device_type)
         comm = self._comms.get(device_type)
         if (
             comm is not None
-            and op is not None
+            and op in _OP_TYPES and op != "product"
             and t.dtype in _DTYPES
             and not (op == "avg" and t.dtype == torch.int32)
             and not t.is_sparse
@@ -164,16 +180,24 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         opts = AllreduceOptions() if opts is None else opts
         t = tensors[0]
         op = _OPS.get(opts.reduceOp.op)  # the RedOpType enum: ReduceOp objects do not hash by value
-        comm = self._eligible(t, op) if len(tensors) == 1 else None
+        # A tensor whose elements share memory (expand()) cannot take the result back from a contiguous copy: it
+        # goes to the delegate as it is, as with gloo or NCCL alone. A layout fact, alike on every rank.
+        dense = t if len(tensors) != 1 or t.is_contiguous() or _overlaps_itself(t) else t.contiguous()
+        comm = self._eligible(t, op) if len(tensors) == 1 and not _overlaps_itself(dense) else None
         if comm is None:
-            return self._delegate(t).allreduce(tensors, opts)
+            if dense is t:
+                return self._delegate(t).allreduce(tensors, opts)
+            # gloo reduces a strided tensor wrongly (elements and their neighbours mixed): it gets the copy.
+            work = self._delegate(t).allreduce([dense], opts)
+            work.wait()  # the copy back is ordered after it (on the current stream for CUDA tensors)
+            _copy_back(t, dense)
+            return work
         if t.is_cuda and t.get_device() != comm._cuda_index:  # only this rank can see it: the peers have started
             comm._refuse(f"a tensor on {t.device}, this process group's communicator is on {comm.device}")
-        dense = t if t.is_contiguous() else t.contiguous()
         stream = comm.current_stream()
         call = comm._launch(dense, dense, op, stream)  # _eligible checked dtype, device and size; the core
         if dense is not t:                              # raises this communicator's fault, if any
-            t.copy_(dense)
+            _copy_back(t, dense)
         return _Work(tensors, comm, stream, call) if t.is_cuda else _Work(tensors)
 
     def _raise_if_broken(self) -> None:
@@ -186,6 +210,8 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         comm = self._eligible(x, op)
         if comm is not None:
             return comm.all_reduce(x.contiguous(), op=op)
+        if op not in _OP_TYPES:
+            raise ValueError(f"unsupported op {op!r}: torch.ops.rocenante.all_reduce takes sum, avg, max, min or product")
         out = x.clone(memory_format=torch.contiguous_format)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp(_OP_TYPES[op])
@@ -197,7 +223,11 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return self._fallback["cuda" if tensor.is_cuda else tensor.device.type]
 
     def barrier(self, opts):
+        """gloo's barrier; in a group with CUDA tensors, first this rank's current stream is waited for, as NCCL's
+        barrier completes only after the work enqueued on it."""
         self._raise_if_broken()
+        if "cuda" in self._fallback and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
         return self._fallback["cpu"].barrier(opts)
 
     def status(self) -> dict:
@@ -210,6 +240,18 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         self._comms.clear()
         _retired.extend(self._fallback.values())
         super().shutdown()
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether elements of `t` share memory (an expanded tensor); contiguous tensors never do."""
+    return not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1
+
+
+def _copy_back(t: torch.Tensor, dense: torch.Tensor) -> None:
+    """The result into the caller's tensor, as the collective wrote it: outside autograd (a view of a leaf
+    that requires grad takes it, as from gloo's in-place write)."""
+    with torch.no_grad():
+        t.copy_(dense)
 
 
 # Every collective rocenante does not serve, under the names of every torch version it supports: the group's
@@ -268,9 +310,12 @@ def _free_retired() -> None:
 atexit.register(_free_retired)
 
 
-def _create(opts, _pg_options):
+def _create(opts, pg_options):
     """The extended creator API: opts carries the group's name (group_id) along with its store, rank and size."""
     _free_retired()
+    if pg_options is not None:
+        logger.warning("rocenante: pg_options (%s) are not used: the rocenante backend takes its settings from "
+                       "ROCENANTE_* variables", type(pg_options).__name__)
     return RocenanteProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, opts.group_id)
 
 

@@ -291,6 +291,82 @@ def test_second_init_after_destroy_and_new_group():
     assert expect_ok(run_ranks(3, _reinit_and_new_group, timeout=300)) == [True] * 3
 
 
+def _layouts_and_faces(store, rank, world):
+    """What gloo takes that a contiguous one-shot might not: strided tensors (served and delegated), an
+    expanded one, a view of a leaf that requires grad; Work.result(); the custom op's names."""
+    import torch.distributed as dist
+
+    pg = _init(store, rank, world)
+    calls = _spy(pg)
+    # A strided float32 view: served by rocenante on a contiguous copy, its result written back in place.
+    a = torch.ones(6)
+    dist.all_reduce(a[::2])
+    assert calls and a.tolist() == [world, 1, world, 1, world, 1], a
+    # The same for a float64 view, which the delegate (gloo) serves: gloo alone mixes neighbours here.
+    served = len(calls)
+    b = torch.ones(6, dtype=torch.float64)
+    dist.all_reduce(b[::2])
+    assert len(calls) == served and b.tolist() == [world, 1, world, 1, world, 1], b
+    # A view of a leaf that requires grad takes the result, as from gloo.
+    w = torch.ones(6, requires_grad=True)
+    dist.all_reduce(w[::2])
+    assert w.detach().tolist() == [world, 1, world, 1, world, 1], w
+    # An expanded tensor goes to gloo as it is (no copy could take the result back).
+    e = torch.full((1,), float(rank + 1)).expand(4)
+    dist.all_reduce(e)
+    work = dist.all_reduce(torch.ones(3), async_op=True)
+    work.wait()
+    assert torch.equal(work.result()[0], torch.full((3,), float(world)))
+    x = torch.full((5,), 2.0, dtype=torch.float64)  # not served: the delegate, under every name the op takes
+    assert torch.equal(torch.ops.rocenante.all_reduce(x, "product", pg.group_name), torch.full_like(x, 2.0 ** world))
+    try:
+        torch.ops.rocenante.all_reduce(x, "cake", pg.group_name)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    dist.destroy_process_group()
+    return refused
+
+
+def test_strided_expanded_and_grad_views_work_as_with_gloo_and_work_result():
+    for refused in expect_ok(run_ranks(2, _layouts_and_faces, timeout=240)):
+        assert refused is not None and "unsupported op 'cake'" in refused, refused
+
+
+def _gpu_job_groups(store, rank, world):
+    """A GPU job's world group and three more, as the backend sees them: CUDA "available" (its self-test
+    falls back here, without a GPU) and its delegate gloo (ROCENANTE_TEST_SHARED_GPU), beside the CPU path."""
+    import torch.distributed as dist
+
+    import rocenante
+
+    os.environ["ROCENANTE_TEST_SHARED_GPU"] = "1"
+    torch.cuda.is_available = lambda: True
+
+    def regions():  # rocenante's shared-memory segments this process maps (csrc/transport/shm.cc names them)
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                           for line in maps if "/dev/shm/rocenante-" in line})
+
+    dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
+    groups = [dist.new_group(backend="rocenante") for _ in range(3)]
+    before, unstarted = regions(), rocenante.status()["cpu"]
+    x = torch.full((100,), float(rank + 1))
+    dist.all_reduce(x)  # the world group's first CPU all-reduce starts its CPU path, on every rank
+    assert torch.equal(x, torch.full((100,), float(world * (world + 1) // 2)))
+    after, started, other = regions(), rocenante.status()["cpu"], rocenante.status(groups[0])["cpu"]
+    dist.destroy_process_group()
+    return before, unstarted, after, started["active"], other["active"]
+
+
+def test_a_gpu_jobs_groups_hold_no_cpu_region_until_a_cpu_all_reduce():
+    for before, unstarted, after, active, other in expect_ok(run_ranks(2, _gpu_job_groups, timeout=240)):
+        assert before == [], f"shared memory held before any CPU all-reduce: {before}"
+        assert not unstarted["active"] and "first CPU all-reduce starts it" in unstarted["reason"], unstarted
+        assert len(after) == 2 and active, after  # the world group's: this rank's region and its peer's
+        assert not other, "a group that made no CPU all-reduce started its CPU path"
+
+
 def _reinit_on_one_store(store, rank, world):
     import torch.distributed as dist
 
