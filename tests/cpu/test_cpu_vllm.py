@@ -195,6 +195,42 @@ def _subclass(store, rank, world):
     return calls_after_small, comm.parent_calls, records
 
 
+def _stateless_group(store, rank, world):
+    """vLLM's StatelessGroupCoordinator (elastic EP's DP/EP/EPLB groups) on a CUDA platform with the plugin
+    registered, CudaCommunicator's constructor replaced by a CPU stand-in as in _subclass."""
+    import vllm.platforms  # noqa: F401
+    from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+    os.environ["ROCENANTE_VLLM"] = "1"
+    exec(textwrap.dedent(FAKE_CUDA_PLATFORM), {})
+    import rocenante.vllm
+
+    rocenante.vllm.register()
+
+    def init(self, cpu_group, device=None, device_group=None, unique_name="", **kw):
+        self.cpu_group, self.device, self.unique_name, self.extra = cpu_group, device, unique_name, sorted(kw)
+        self.world_size = world
+
+    CudaCommunicator.__init__, CudaCommunicator.destroy = init, lambda self: None
+    from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
+
+    coordinator = StatelessGroupCoordinator([list(range(world))], rank, "gloo", True, store, group_name="ep",
+                                            global_rank=rank, global_world_size=world)
+    comm = coordinator.device_communicator
+    described = (type(comm).__name__, isinstance(comm, CudaCommunicator), comm.rocenante.active, comm.rocenante.why,
+                 comm.extra)
+    coordinator.destroy()
+    return described
+
+
+@vllm_needed
+def test_elastic_ep_stateless_groups_build_with_the_plugin():
+    for name, is_cuda_communicator, active, why, extra in expect_ok(run_ranks(2, _stateless_group, timeout=240)):
+        assert name == "RocenanteCudaCommunicator" and is_cuda_communicator
+        assert not active and "is not tensor-parallel" in why, why  # serves nothing there: vLLM's backends do
+        assert extra == ["global_ranks", "global_world_size", "tcp_store_group", "use_all2all"], extra  # passed on
+
+
 @vllm_needed
 def test_our_communicator_routes_within_vllms_class():
     results = expect_ok(run_ranks(2, _subclass, timeout=240))
