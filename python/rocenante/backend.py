@@ -167,7 +167,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         comm = self._comms.get(device_type)
         if (
             comm is not None
-            and op in _OP_TYPES and op != "product"
+            and op in _OPS.values()
             and t.dtype in _DTYPES
             and not (op == "avg" and t.dtype == torch.int32)
             and not t.is_sparse
