@@ -182,8 +182,9 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         op = _OPS.get(opts.reduceOp.op)  # the RedOpType enum: ReduceOp objects do not hash by value
         # A tensor whose elements share memory (expand()) cannot take the result back from a contiguous copy: it
         # goes to the delegate as it is, as with gloo or NCCL alone. A layout fact, alike on every rank.
-        dense = t if len(tensors) != 1 or t.is_contiguous() or _overlaps_itself(t) else t.contiguous()
-        comm = self._eligible(t, op) if len(tensors) == 1 and not _overlaps_itself(dense) else None
+        single = len(tensors) == 1 and not _overlaps_itself(t)
+        dense = t if not single or t.is_contiguous() else t.contiguous()
+        comm = self._eligible(t, op) if single else None
         if comm is None:
             if dense is t:
                 return self._delegate(t).allreduce(tensors, opts)
