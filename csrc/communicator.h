@@ -30,7 +30,7 @@ enum class Net : uint32_t { kDirect = 0, kIb = 1, kTcp = 2 };
 
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
 // CPU or GPU), the process's identity (pid, start time), then the transport's part (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4335;  // "ROC5": bump when the protocol or the handle changes
+constexpr uint32_t kConfigMagic = 0x524f4336;  // "ROC6": bump when the protocol or the handle changes
 constexpr size_t kConfigBytes = 24;
 constexpr size_t kHandleHeaderBytes = 40;
 

@@ -3,7 +3,8 @@
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
 // Region of rank r:  header | buffer[3] x peer area[world - 1] x capacity_bytes
-//   header:  abort[world] (u64, bytes 0..63) | call[3 buffers][world] (u32, from byte 64) | padding to 512 bytes
+//   header:  abort[world] (u64, bytes 0..63) | call[b][world] (u32, buffer b's from byte 128 + 128 b) | padding
+//            to 512 bytes (kHeaderBytes)
 //   area (b, s): where source s != r writes its part of a call that uses buffer b (area_offset());
 //   written by: source s writes only abort[s], call[b][s] and area (b, s) of every peer's region (it pushes);
 //               r's own host writes abort[r] (a fault only it knows of: a peer's process ended, a call it
@@ -44,7 +45,8 @@
 // current data:
 //   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
 //     rank r resets during call e, only after it has received r's data for call e + 1, which r sends after
-//     it finished call e (on the GPU: the next kernel starts after the previous one completed; on the host: in
+//     it finished call e (on the GPU: the next kernel starts after the previous one completed, and a region in
+//     host memory is reset with system-scope stores fenced before the kernel ends, wire.cuh; on the host: in
 //     program order after the reset's release fence). So the reset lands before any write of call e + 2.
 //   - Rank r resets only words it has seen arrive (every word of the span it polls, padding included), or that
 //     no one wrote; so no write of call e - 1 can land after the reset. A peer that made a different call may
@@ -174,12 +176,24 @@ static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 26), "count - 1 of the larg
 ROCENANTE_HD uint32_t make_flag(uint32_t signature, uint32_t epoch) { return (signature ^ (epoch << 1)) | 1u; }
 ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (flag ^ (epoch << 1)) & ~1u; }
 
-// The region header: one abort word and three call words per source rank, padded so that the areas start on a
-// 512-byte boundary (a warp's 16-byte stores then cover whole sectors).
+// Words that a GPU writes and words that another agent (a host thread, a NIC) writes never share a 128-byte line
+// (the GPU's L2 line): nothing promises that the GPU's write of part of a line of host memory leaves the rest
+// of the line as the other agent last wrote it. What made us look: on an H200 over the TCP wire, with the
+// mailbox's ring words (the kernel's) and arrival words (the proxy's) in one line, in 4 of 11 runs of 1,000
+// iterations of calls on two streams a call timed out on both ranks while some threads of the same launch had
+// completed it, and at the timeout its arrival word held the buffer's previous epoch (which only the proxy
+// writes, one epoch after another; benchmarks/results/h200-two-streams-arrival-lost.log).
+constexpr size_t kLineBytes = 128;
+
+// The region header: the abort words (written by the peers and this rank's host, never by its GPU), then the
+// call words of each buffer on a line of their own (the GPU resets the previous buffer's while a peer's next
+// call word may be landing in the current one's), then padding so that the areas start on a 512-byte boundary
+// (a warp's 16-byte stores then cover whole sectors).
 constexpr size_t kHeaderBytes = 512;
-constexpr size_t kCallWordsOffset = kMaxRanks * sizeof(uint64_t);
-static_assert(kCallWordsOffset + kBuffers * kMaxRanks * sizeof(uint32_t) <= kHeaderBytes,
-              "the header holds the abort words and the call words");
+constexpr size_t kCallWordsOffset = kLineBytes;
+static_assert(kMaxRanks * sizeof(uint64_t) <= kCallWordsOffset && kMaxRanks * sizeof(uint32_t) <= kLineBytes &&
+                  kCallWordsOffset + kBuffers * kLineBytes <= kHeaderBytes,
+              "the header holds the abort words and a line of call words per buffer");
 
 struct RegionLayout {
   size_t capacity_bytes;  // bytes of one area: a multiple of kCapacityGranule
@@ -198,7 +212,7 @@ struct RegionLayout {
 // A region is addressed as 32-bit words (the unit of kEmpty); these name its parts.
 ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
 ROCENANTE_HD size_t call_word_offset(int buffer, int source) {
-  return kCallWordsOffset + (size_t(buffer) * kMaxRanks + size_t(source)) * sizeof(uint32_t);
+  return kCallWordsOffset + size_t(buffer) * kLineBytes + size_t(source) * sizeof(uint32_t);
 }
 ROCENANTE_HD uint32_t* call_word(uint32_t* region, int buffer, int source) {
   return region + call_word_offset(buffer, source) / sizeof(uint32_t);
@@ -231,9 +245,10 @@ ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffs
 // same way a peer's call e + 1 may arrive before this rank's reducer read arrived[] of call e, its call e + 2
 // cannot. The proxy counts calls exactly as the reducers do (every call goes to every peer, one delivery each),
 // so the n-th delivery it takes from a peer is that peer's call of the n-th epoch.
+// The ring (the reducer's) and the arrival words (the proxy's) lie on separate lines (kLineBytes).
 struct Mailbox {
-  uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
-  uint32_t arrived[kBuffers][kMaxRanks];  // kNoEpoch until the buffer's first delivery from that peer
+  alignas(kLineBytes) uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
+  alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks];  // kNoEpoch until the buffer's first delivery from that peer
 };
 ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
 

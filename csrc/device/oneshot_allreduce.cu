@@ -217,14 +217,18 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
 
   if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D), !failed);
 
-  // Reset the previous call's buffer while our data travels (layout.h says why it is free by now).
+  // Reset the previous call's buffer while our data travels (layout.h says why it is free by now). With network
+  // peers the region is host memory, and the reset must be there before this kernel ends (wire.cuh).
   const int previous = previous_buffer(epoch);
   const size_t reset_units = load_relaxed(&s.spans[previous]) / kChunkBytes;
+  const bool host_region = a.network != 0;
   for (int q = 0; q < a.world - 1; ++q) {
     uint32_t* base = a.local + a.layout.area_offset(previous, a.rank, q < a.rank ? q : q + 1) / sizeof(uint32_t);
-    for (size_t u = first; u < reset_units; u += stride) store_empty(base + u * (kChunkBytes / sizeof(uint32_t)));
+    for (size_t u = first; u < reset_units; u += stride)
+      store_empty(base + u * (kChunkBytes / sizeof(uint32_t)), host_region);
   }
-  if (first < kMaxRanks) store_relaxed(call_word(a.local, previous, int(first)), kEmpty);
+  if (first < kMaxRanks) store_empty_word(call_word(a.local, previous, int(first)), host_region);
+  if (host_region) __threadfence_system();  // its cost hides behind the wait for the peers' data below
   if (first == 0) store_relaxed(&s.spans[buffer], uint32_t(span_bytes(a.bytes, D)));
 
   // The pull, one loop for both variants (the receive of a chunk is written once, here). Plain: a step per
@@ -445,12 +449,14 @@ class CudaOneshotKernel final : public OneshotKernel {
       std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
-      // The fault record, then room for wait_idle()'s copies of the epochs (allocated here: a cudaFreeHost in
-      // wait_idle() would wait for the whole device).
-      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(FaultRecord) + kMaxBlocks * sizeof(uint32_t),
+      // The fault record (the kernel's), then on lines of their own (layout.h, kLineBytes: a copy engine writes
+      // them) wait_idle()'s copies of the epochs, allocated here: a cudaFreeHost in wait_idle() would wait for the
+      // whole device.
+      static_assert(sizeof(FaultRecord) <= kLineBytes, "the fault record has its line");
+      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), kLineBytes + kMaxBlocks * sizeof(uint32_t),
                                          cudaHostAllocMapped));
       *host_ = FaultRecord{};
-      epoch_copies_ = reinterpret_cast<uint32_t*>(host_ + 1);
+      epoch_copies_ = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(host_) + kLineBytes);
       ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state_.record), host_, 0));
       ROCENANTE_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     } catch (...) {

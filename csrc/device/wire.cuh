@@ -40,10 +40,25 @@ __device__ __forceinline__ uint32_t load_polled(const uint32_t* p) {
   return v;
 }
 
-// The reset of our own region (layout.h): plain stores, ordered before any peer's next write to these words by
-// the end of this kernel, which comes before we send the data that lets a peer make that write.
-__device__ __forceinline__ void store_empty(uint32_t* p) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(p), "r"(kEmpty) : "memory");
+// The reset of our own region (layout.h), 16 bytes of an area or one call word, ordered before any peer's next
+// write to these words by the end of this kernel, which comes before we send the data that lets a peer make that
+// write. In device memory (peers store through CUDA IPC) plain stores do. In host memory (`host`: the region of
+// network peers, which a wire's receiver thread or the NIC writes, not a GPU) they are relaxed at system scope,
+// and the kernel fences them before it ends: a plain store to mapped host memory is not promised to be there,
+// for another agent, by the end of the kernel.
+__device__ __forceinline__ void store_empty(uint32_t* p, bool host) {
+  if (host) {
+    asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(p), "r"(kEmpty) : "memory");
+  } else {
+    asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(p), "r"(kEmpty) : "memory");
+  }
+}
+__device__ __forceinline__ void store_empty_word(uint32_t* p, bool host) {
+  if (host) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(kEmpty) : "memory");
+  } else {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(kEmpty) : "memory");
+  }
 }
 
 // The epoch and spans are relaxed (yet strong, GPU scope: no data race in PTX's model) on purpose. Within a

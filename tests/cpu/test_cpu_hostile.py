@@ -26,7 +26,7 @@ CAPACITY = 4096
 CONFIG = _C.wire.config_bytes
 DEVICE, FIRST_CALL, PID = CONFIG - 8, CONFIG - 4, CONFIG
 HEADER = _C.wire.handle_header_bytes
-OURS = _C.wire.config_magic.to_bytes(4, "big").decode()  # "ROC5"
+OURS = _C.wire.config_magic.to_bytes(4, "big").decode()  # "ROC6"
 _names = itertools.count()
 
 
@@ -45,7 +45,7 @@ def pair():
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
     assert handle[:4] == struct.pack("<I", _C.wire.config_magic)
-    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC5" travels as b"5COR"
+    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC6" travels as b"6COR"
 
 
 def _refused(me, theirs: bytes, words: str = "") -> str:

@@ -3,7 +3,8 @@ it publishes a handle in rocenante's format, RDMA-writes its call word and data 
 them (a zero-length RDMA WRITE WITH IMMEDIATE carrying its signal count), and reads what rank 0 wrote into its
 own region once rank 0's signal arrived. Every offset and format of the region and the wire below is derived here
 from what csrc/layout.h and csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not
-from rocenante's code, so this checks the wire layout and the signalling against rdma-core's binding; only the
+from rocenante's code (protocol ROC6: each buffer's call words on a 128-byte line of their own), so this checks
+the wire layout and the signalling against rdma-core's binding; only the
 handle's framing (the core's magics and header sizes) comes from rocenante._C.wire."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from multiproc import expect_ok, run_ranks
 from rocenante import _C, _env, _ib
 
 WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
-HEADER, CALL_WORDS, MAX_RANKS, BUFFERS = 512, 64, 8, 3
+HEADER, CALL_WORDS, LINE, BUFFERS = 512, 128, 128, 3
 EMPTY = 0x80000000
 REGION = HEADER + BUFFERS * (WORLD - 1) * CAPACITY
 EPOCH = 1  # the communicator's first call
@@ -32,7 +33,7 @@ BUFFER = EPOCH % BUFFERS
 
 
 def call_word_offset(buffer: int, source: int) -> int:
-    return CALL_WORDS + (buffer * MAX_RANKS + source) * 4
+    return CALL_WORDS + buffer * LINE + source * 4
 
 
 def area_offset(buffer: int, receiver: int, source: int) -> int:
@@ -76,7 +77,8 @@ def _pyverbs_rank(store, mtu_drop):
     scq, rcq = CQ(ctx, 8), CQ(ctx, 8)
     qp = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=scq, rcq=rcq, cap=QPCap(max_send_wr=4, max_recv_wr=4)))
     region = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-    region.write(bytes(64) + struct.pack(f"<{(REGION - 64) // 4}I", *[EMPTY] * ((REGION - 64) // 4)), REGION, 0)
+    region.write(bytes(CALL_WORDS) + struct.pack(f"<{(REGION - CALL_WORDS) // 4}I", *[EMPTY] * ((REGION - CALL_WORDS) // 4)),
+                 REGION, 0)
     send = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE)
     port = ctx.query_port(path.port)
     mtu_code = port.active_mtu - mtu_drop  # a crafted value: a port with a smaller MTU than ours
