@@ -64,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("max_capacity_bytes") = rocenante::kMaxCapacityBytes;
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
   m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
+  m.attr("default_proxy_spin_s") = rocenante::kDefaultProxySpinS;
   m.attr("timeline_build") = rocenante::kTimeline;  // built with -DROCENANTE_TIMELINE=ON (csrc/timeline.h)
   m.attr("with_ibverbs") = rocenante::kWithIbverbs;
 
@@ -96,14 +97,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
                        rocenante::OnFault on_fault, rocenante::Net net,
-                       const std::vector<std::tuple<std::string, int, int>>& rdma_paths, uint32_t first_call) {
+                       const std::vector<std::tuple<std::string, int, int, int, int>>& rdma_paths, uint32_t first_call,
+                       double proxy_spin_s) {
              std::vector<rocenante::IbPath> paths;
-             for (const auto& [dev, port, gid] : rdma_paths) paths.push_back({dev, port, gid});
-             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call);
+             for (const auto& [dev, port, gid, tc, sl] : rdma_paths) paths.push_back({dev, port, gid, tc, sl});
+             return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call,
+                                     proxy_spin_s);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
-           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int>>{}, py::arg("first_call") = 1)
+           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int, int, int>>{}, py::arg("first_call") = 1,
+           py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       // Over the TCP wire connecting waits for the peers (up to 30 s): other Python threads keep running.
       .def("connect", &Communicator::connect, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
@@ -132,7 +136,8 @@ PYBIND11_MODULE(_C, m) {
       .def("timeline", [](const Communicator& c) {
              const rocenante::Timeline& t = c.timeline();
              std::vector<std::vector<uint64_t>> slots(rocenante::kTimelineSlots);
-             for (int i = 0; i < rocenante::kTimelineSlots; ++i) slots[i].assign(t.ns[i], t.ns[i] + rocenante::kTimelineEvents);
+             for (uint32_t i = 0; i < uint32_t(rocenante::kTimelineSlots); ++i)
+               for (int e = 0; e < rocenante::kTimelineEvents; ++e) slots[i].push_back(*rocenante::timeline_entry(&t, i, e));
              return slots;
            })
       .def("clock_offset_ns", &Communicator::clock_offset_ns, py::call_guard<py::gil_scoped_release>())

@@ -213,7 +213,7 @@ void Communicator::refuse_in_forked_child() const {
 }
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch)
+                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, first_epoch_(first_epoch),
       issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch), pidfds_(world, -1),
@@ -229,6 +229,8 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
                                          std::to_string(kCapacityGranule) + " up to " + std::to_string(kMaxCapacityBytes));
   if (std::isnan(timeout_s)) ROCENANTE_THROW(InvalidArgument, "timeout is NaN");
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
+  if (!(proxy_spin_s >= 0 && proxy_spin_s <= 3600))
+    ROCENANTE_THROW(InvalidArgument, "proxy spin must lie in 0..3600 s, got " + std::to_string(proxy_spin_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
   if (first_epoch >= kEpochPeriod)
@@ -247,7 +249,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
     std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths) : make_tcp_wire(rank, layout_);
-    transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), kernel_.get(), timeline_.get());
+    transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), kernel_.get(), timeline_.get(), proxy_spin_s);
     network_ = ((1u << world) - 1) & ~(1u << rank);
   }
   // Every direct peer's region is stored to; the network peers share one image, in which this rank's area has

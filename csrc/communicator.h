@@ -44,7 +44,8 @@ class Communicator {
   // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
   // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1);
+               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
+               double proxy_spin_s = kDefaultProxySpinS);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

@@ -30,6 +30,7 @@
 
 #include "allreduce_args.h"
 #include "chunk_reduce.h"
+#include "cpu_relax.h"
 
 namespace rocenante {
 namespace {
@@ -92,16 +93,6 @@ inline void load_block(const AllReduceArgs& a, size_t c0, size_t n, Words* stage
 inline void store_block(const AllReduceArgs& a, size_t c0, size_t n, const Words* staged) {
   const size_t begin = c0 * kChunkBytes;
   std::memcpy(static_cast<char*>(a.out) + begin, staged, std::min(n * kChunkBytes, a.bytes - begin));
-}
-
-// Tells the core it is spinning (x86 pause, AArch64 yield): it leaves the loop without a pipeline flush and
-// spends less power meanwhile; elsewhere nothing.
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
 }
 
 // Waits with backoff that yields the core: spin (a peer running on another core arrives within microseconds),

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "layout.h"
+
 namespace rocenante {
 
 #ifdef ROCENANTE_TIMELINE
@@ -29,9 +31,24 @@ enum TimelineEvent : int {
 };
 constexpr int kTimelineSlots = 4096;  // calls kept; call (epoch) e is in slot e % kTimelineSlots
 
+// A slot's kernel events (the GPU's) and proxy events (the host's) lie on lines of their own (layout.h,
+// kLineBytes).
 struct Timeline {
-  uint64_t ns[kTimelineSlots][kTimelineEvents];
+  struct alignas(kLineBytes) Slot {
+    uint64_t kernel[kLineBytes / sizeof(uint64_t)];
+    uint64_t proxy[kLineBytes / sizeof(uint64_t)];
+  };
+  Slot slots[kTimelineSlots];
 };
+static_assert(kProxyRing <= int(kLineBytes / sizeof(uint64_t)) &&
+                  kTimelineEvents - kProxyRing <= int(kLineBytes / sizeof(uint64_t)),
+              "each half of a slot holds its events");
+// Where `event` of call `epoch` is recorded (T: Timeline, or const Timeline to read).
+template <typename T>
+ROCENANTE_HD auto timeline_entry(T* t, uint32_t epoch, int event) {
+  auto& s = t->slots[epoch % kTimelineSlots];
+  return event < kProxyRing ? &s.kernel[event] : &s.proxy[event - kProxyRing];
+}
 
 // The host's clock of the timeline: CLOCK_REALTIME in nanoseconds.
 inline int64_t realtime_ns() {

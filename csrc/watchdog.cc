@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -11,9 +12,14 @@
 namespace rocenante {
 namespace {
 
+// The thread calls each communicator's watch() without the mutex: a watch that waits on a wire (telling network
+// peers of a fault) holds up no other communicator's add() or remove(). remove() waits only while the
+// communicator it removes is the one being watched.
 struct Registry {
-  std::mutex mutex;  // held while the thread runs watch(), so remove() waits for it
+  std::mutex mutex;
+  std::condition_variable watched;  // `watching` went back to null
   std::vector<Communicator*> comms;
+  Communicator* watching = nullptr;  // inside watch() now, outside the mutex
   bool running = false;
 };
 
@@ -25,10 +31,24 @@ Registry& registry() {
 
 void run() {
   Registry& r = registry();
+  std::vector<Communicator*> round;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(r.mutex);
-      for (Communicator* c : r.comms) c->watch();
+      round = r.comms;
+    }
+    for (Communicator* c : round) {
+      {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (std::find(r.comms.begin(), r.comms.end(), c) == r.comms.end()) continue;  // removed meanwhile
+        r.watching = c;
+      }
+      c->watch();
+      {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        r.watching = nullptr;
+      }
+      r.watched.notify_all();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(kWatchdogPeriodMs));
   }
@@ -48,8 +68,9 @@ void Watchdog::add(Communicator* comm) {
 
 void Watchdog::remove(Communicator* comm) {
   Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
+  std::unique_lock<std::mutex> lock(r.mutex);
   r.comms.erase(std::remove(r.comms.begin(), r.comms.end(), comm), r.comms.end());
+  r.watched.wait(lock, [&] { return r.watching != comm; });
 }
 
 }  // namespace rocenante

@@ -13,6 +13,10 @@ sys.path.insert(0, os.path.join(HERE, "support"))
 
 import gpus  # noqa: E402
 
+# Network communicators' proxies poll hot for 5 s after their last work by default (a core each); the tests
+# run several ranks on few cores, so theirs nap after 2 ms (inherited by every rank they start).
+os.environ.setdefault("ROCENANTE_PROXY_SPIN_S", "0.002")
+
 FOLDER_MARKERS = {"gpu": pytest.mark.gpu, "rdma": pytest.mark.rdma}
 SHARED_GPU_ENV = "ROCENANTE_TEST_SHARED_GPU"
 

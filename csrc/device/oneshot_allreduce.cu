@@ -76,7 +76,7 @@ constexpr int kPollsPerClockRead = 64;  // polls between reads of the global tim
 // Timeline builds: records `event` of call `epoch` on %globaltimer (timeline.h).
 __device__ __forceinline__ void note(const AllReduceArgs& a, uint32_t epoch, TimelineEvent event) {
   if constexpr (kTimeline)
-    if (a.timeline != nullptr) *reinterpret_cast<volatile uint64_t*>(&a.timeline->ns[epoch % kTimelineSlots][event]) = global_timer_ns();
+    if (a.timeline != nullptr) *reinterpret_cast<volatile uint64_t*>(timeline_entry(a.timeline, epoch, event)) = global_timer_ns();
 }
 
 // Records `fault` (a timeout's peers are merged across threads) and, for the first fault of the

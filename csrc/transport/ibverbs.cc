@@ -136,6 +136,15 @@ constexpr double kRetryBudgetS = (kRetryCount + 1) * 4.096e-6 * (1 << kAckTimeou
 // The NIC reports every posted write within the retry budget; waiting four times as long before calling the
 // peer unreachable only guards against a NIC or driver that stopped reporting.
 constexpr double kCompletionWaitS = 4 * kRetryBudgetS;
+// A signal (WRITE WITH IMMEDIATE) takes one of the receiver's posted receives; one whose proxy stopped on a fault
+// never posts more, while its queue pairs live. 6 retries 163.84 ms apart (timer code 28; 7 means "forever"):
+// the signal fails after about 7 x 164 ms = 1.15 s (IBV_WC_RNR_RETRY_EXC_ERR), inside the retry budget.
+constexpr uint8_t kRnrTimer = 28;
+constexpr uint8_t kRnrRetry = 6;
+// post_abort()'s longest wait for its write's completion. The NIC sends the write whether or not anyone waits
+// (the wait only reaps the completion), and post_abort() also runs on the watchdog thread, which serves every
+// communicator of the process (Communicator::watch): a wait of the retry budget there held up the others.
+constexpr double kAbortDrainS = 0.1;
 // Hop limit of the RoCE v2 (routed, UDP/IP) packets' IP header: the IPv4 TTL, generous for any fabric.
 constexpr uint8_t kHopLimit = 64;
 // Writes in flight per queue pair: one call's data writes and signal plus abort words, with room to spare.
@@ -207,6 +216,12 @@ class IbverbsWire final : public Wire {
     if (int(paths.size()) != world_)
       ROCENANTE_THROW(InvalidArgument, "expected one RDMA path per rank (" + std::to_string(world_) + "), got " +
                                            std::to_string(paths.size()));
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && (paths[p].traffic_class < 0 || paths[p].traffic_class > 255 || paths[p].service_level < 0 ||
+                         paths[p].service_level > 15))
+        ROCENANTE_THROW(InvalidArgument, "the path to rank " + std::to_string(p) + " asks for traffic class " +
+                                             std::to_string(paths[p].traffic_class) + " and service level " +
+                                             std::to_string(paths[p].service_level) + ": use 0..255 and 0..15");
     const size_t page = 4096;
     staging_offset_ = 2 * bytes_;
     block_bytes_ = (staging_offset_ + kMaxRanks * sizeof(uint64_t) + page - 1) / page * page;
@@ -307,11 +322,13 @@ class IbverbsWire final : public Wire {
       a.dest_qp_num = r.qp_num;
       a.rq_psn = r.psn;
       a.max_dest_rd_atomic = 1;
-      a.min_rnr_timer = 12;  // 0.64 ms; never used: nothing is sent with SEND
+      a.min_rnr_timer = kRnrTimer;
       a.ah_attr.is_global = 1;  // RoCE: every packet carries a GRH (the UDP/IP header on RoCE v2)
       std::memcpy(a.ah_attr.grh.dgid.raw, r.gid, 16);
       a.ah_attr.grh.sgid_index = uint8_t(l.path.gid_index);
       a.ah_attr.grh.hop_limit = kHopLimit;
+      a.ah_attr.grh.traffic_class = uint8_t(l.path.traffic_class);
+      a.ah_attr.sl = uint8_t(l.path.service_level);
       a.ah_attr.port_num = uint8_t(l.path.port);
       if (const int err = v.modify_qp(l.qp, &a,
                                       IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
@@ -321,7 +338,7 @@ class IbverbsWire final : public Wire {
       a.qp_state = IBV_QPS_RTS;
       a.timeout = kAckTimeout;
       a.retry_cnt = kRetryCount;
-      a.rnr_retry = 7;
+      a.rnr_retry = kRnrRetry;
       a.sq_psn = l.local.psn;
       a.max_rd_atomic = 1;
       if (const int err = v.modify_qp(l.qp, &a,
@@ -358,9 +375,9 @@ class IbverbsWire final : public Wire {
   }
 
   bool delivered(uint64_t& fault) override {
-    if (post_fault_ != 0) {
-      fault = post_fault_;
-      post_fault_ = 0;
+    if (pending_fault_ != 0) {
+      fault = pending_fault_;
+      pending_fault_ = 0;
       return true;
     }
     bool done = true;
@@ -421,7 +438,7 @@ class IbverbsWire final : public Wire {
       post_write(peer, slot, size_t(rank_) * sizeof(uint64_t), sizeof(uint64_t), (uint64_t(peer) << 1) | 1);
     } catch (...) {
     }
-    drain(devices_[links_[peer].device]);  // a peer that cannot be told times out instead
+    drain(devices_[links_[peer].device], kAbortDrainS);  // a peer that cannot be told times out instead
   }
 
  private:
@@ -518,7 +535,7 @@ class IbverbsWire final : public Wire {
   void post(int peer, ibv_send_wr& wr) {
     ibv_send_wr* bad = nullptr;
     if (ibv_post_send(links_[peer].qp, &wr, &bad) != 0) {
-      if (post_fault_ == 0) post_fault_ = encode_fault(Fault::kTransport, uint32_t(peer), kPostFailed);
+      if (pending_fault_ == 0) pending_fault_ = encode_fault(Fault::kTransport, uint32_t(peer), kPostFailed);
       return;
     }
     ++devices_[links_[peer].device].outstanding;
@@ -546,12 +563,14 @@ class IbverbsWire final : public Wire {
     return fault;
   }
 
-  // Waits, for at most kCompletionWaitS, until every write posted on `d` completed (an abort word's).
-  void drain(Device& d) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kCompletionWaitS);
+  // Waits, for at most `bound_s`, until every write posted on `d` completed (an abort word's). A failed write
+  // among them, data included, is kept for the next delivered().
+  void drain(Device& d, double bound_s) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(bound_s);
     while (d.outstanding > 0 && std::chrono::steady_clock::now() < deadline) {
-      if (poll_completions(d) != 0) continue;
-      sched_yield();
+      const uint64_t f = poll_completions(d);
+      if (f != 0 && pending_fault_ == 0) pending_fault_ = f;
+      if (f == 0) sched_yield();
     }
   }
 
@@ -594,7 +613,7 @@ class IbverbsWire final : public Wire {
   char* block_ = nullptr;
   std::vector<Device> devices_;
   std::vector<PeerLink> links_;
-  uint64_t post_fault_ = 0;  // a post the NIC refused, reported by the next delivered()
+  uint64_t pending_fault_ = 0;  // a post the NIC refused, or a write drain() saw fail: for the next delivered()
   std::chrono::steady_clock::time_point signalled_{};  // when the last signal() posted
 };
 

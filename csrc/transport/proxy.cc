@@ -10,8 +10,9 @@
 //            argument of ibverbs.cc rests on it).
 //   receive: when arrived(p): arrived[e_p % 3][p] = e_p (release), consume(p), and e_p moves on to the next
 //            epoch (every call is delivered to every peer once, so p's n-th delivery is its n-th call's).
-//   idle:    after kSpin without work it sleeps kNap between polls, so a first call after idle waits up to
-//            about kNap for each of its two proxy steps (ring taken, arrival seen) on top of its usual time.
+//   idle:    for spin_s after its last work it polls hot (the CPU's pause instruction between polls), then it
+//            sleeps kNap between polls, so a first call after a longer idle waits up to about kNap for each of its
+//            two proxy steps (ring taken, arrival seen) on top of its usual time.
 //   fault:   a wire failure is written into this rank's own abort word (the reducer's waits stop with it: the
 //            host loop raises it, the kernel records it for the watchdog), and into every peer's; then the
 //            thread stops. A connection that closed is no failure by itself (a peer closes after its last call):
@@ -26,17 +27,15 @@
 #include <mutex>
 #include <thread>
 
+#include "../cpu_relax.h"
 #include "../errors.h"
 #include "transport.h"
 
 namespace rocenante {
 namespace {
 
-// Busy polling (with sched_yield, so that ranks and proxies sharing few cores still progress) lasts kSpin
-// after the last piece of work: long against the gap between a decode step's calls, short against an idle
-// server. Then each poll is followed by a kNap sleep, with the thread's timer slack cut to 1 us so that
-// the sleep ends close to kNap.
-constexpr std::chrono::microseconds kSpin{2000};
+// After the hot polling (spin_s, transport.h), each poll is followed by a kNap sleep, with the thread's timer
+// slack cut to 1 us so that the sleep ends close to kNap.
 constexpr std::chrono::microseconds kNap{50};
 // On close, the thread first finishes sending what the reducer rang: a rank whose reducer returned may not have
 // delivered its own data yet (its peers' data is all it waits for), and its peers still need it. Bounded, so
@@ -46,15 +45,16 @@ constexpr unsigned long kTimerSlackNs = 1000;
 
 // Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
 void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
-  if constexpr (kTimeline) timeline->ns[epoch % kTimelineSlots][event] = uint64_t(realtime_ns());
+  if constexpr (kTimeline) *timeline_entry(timeline, epoch, event) = uint64_t(realtime_ns());
 }
 
 class Proxy final : public Transport {
  public:
   Proxy(int rank, const RegionLayout& layout, uint32_t first_epoch, std::unique_ptr<Wire> wire, OneshotKernel* kernel,
-        Timeline* timeline)
+        Timeline* timeline, double spin_s)
       : rank_(rank), layout_(layout), first_epoch_(first_epoch), wire_(std::move(wire)), kernel_(kernel),
-        timeline_(timeline) {
+        timeline_(timeline),
+        spin_(std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(spin_s))) {
     void* page = mmap(nullptr, sizeof(Mailbox), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (page == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     mailbox_ = new (page) Mailbox{};
@@ -171,8 +171,8 @@ class Proxy final : public Transport {
       const auto now = std::chrono::steady_clock::now();
       if (worked) {
         last_work = now;
-      } else if (now - last_work < kSpin) {
-        std::this_thread::yield();
+      } else if (now - last_work < spin_) {
+        cpu_relax();
       } else {
         std::this_thread::sleep_for(kNap);
       }
@@ -203,6 +203,7 @@ class Proxy final : public Transport {
   std::unique_ptr<Wire> wire_;
   OneshotKernel* kernel_;
   Timeline* timeline_;  // timeline builds only
+  const std::chrono::steady_clock::duration spin_;  // hot polling after the last work
   Mailbox* mailbox_ = nullptr;         // host address, the thread's
   Mailbox* mapped_mailbox_ = nullptr;  // the reducer's
   uint32_t* region_ = nullptr;         // the reducer's addresses of the wire's region and image
@@ -216,8 +217,9 @@ class Proxy final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
-                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline) {
-  return std::make_unique<Proxy>(rank, layout, first_epoch, std::move(wire), kernel, timeline);
+                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline,
+                                      double spin_s) {
+  return std::make_unique<Proxy>(rank, layout, first_epoch, std::move(wire), kernel, timeline, spin_s);
 }
 
 std::string transport_status(uint32_t status) {

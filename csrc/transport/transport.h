@@ -69,6 +69,8 @@ struct IbPath {
   std::string device;  // e.g. "rocep1s0f0"
   int port;            // 1-based
   int gid_index;
+  int traffic_class;   // of the queue pair's packets (RoCE v2: the IP header's DSCP and ECN bits), 0..255
+  int service_level;   // 0..15
 };
 
 // Same host, CPU memory: one POSIX shared-memory segment per rank.
@@ -86,9 +88,14 @@ std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout);
 // Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
 // loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
 // `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null. The reducers'
-// calls are numbered from `first_epoch`.
+// calls are numbered from `first_epoch`. The proxy thread polls hot for `spin_s` after its last work (a core
+// while it does), then naps between polls (proxy.cc).
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
-                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline);
+                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline,
+                                      double spin_s);
+// How long a proxy polls hot by default (ROCENANTE_PROXY_SPIN_S): longer than any pause between a serving
+// engine's decode steps, so that no call of one pays a thread's wake-up.
+constexpr double kDefaultProxySpinS = 5.0;
 // The magics at the head of the wires' handles (and of the TCP wire's hello), bumped when a format changes;
 // exposed to tests by the bindings (rocenante._C.wire).
 constexpr uint32_t kTcpHandleMagic = 0x52544331;   // "RTC1" (tcp.cc, TcpHandle)

@@ -51,6 +51,21 @@ def timeout_s(given=None, group=None) -> float:
     return min(value, _C.max_timeout_s)
 
 
+def proxy_spin_s() -> float:
+    """ROCENANTE_PROXY_SPIN_S: how long a network communicator's proxy thread polls hot after its last work
+    (one core per rank while it does), before it naps 50 us between polls; at most an hour."""
+    raw = os.environ.get("ROCENANTE_PROXY_SPIN_S", "").strip()
+    if not raw:
+        return _C.default_proxy_spin_s
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 3600:
+        raise ValueError(f"ROCENANTE_PROXY_SPIN_S={raw!r}: use 0..3600 seconds")
+    return value
+
+
 def capacity_bytes() -> int:
     """ROCENANTE_CAPACITY_BYTES: bytes of one area of a communicator's receive region, the largest float piece
     of one call (int32: half); larger calls go as several pieces."""
@@ -153,6 +168,24 @@ def ib_hca():
         if raw:
             return _ib.parse_hca(raw, name)
     return None
+
+
+def ib_qos():
+    """(traffic class, service level) of the queue pairs: ROCENANTE_IB_TC, else NCCL_IB_TC (0..255, the IP header's
+    DSCP and ECN bits on RoCE v2), and ROCENANTE_IB_SL, else NCCL_IB_SL (0..15); 0 where neither is set. On a fabric
+    whose lossless class is a DSCP (or a priority), traffic in class 0 rides the lossy one."""
+    values = []
+    for suffix, top in (("TC", 255), ("SL", 15)):
+        value = 0
+        for name in (f"ROCENANTE_IB_{suffix}", f"NCCL_IB_{suffix}"):
+            raw = os.environ.get(name, "").strip()
+            if raw:
+                if not raw.isdigit() or int(raw) > top:
+                    raise ValueError(f"{name}={raw!r}: use 0..{top}")
+                value = int(raw)
+                break
+        values.append(value)
+    return tuple(values)
 
 
 def ib_gid_index():

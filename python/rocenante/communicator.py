@@ -184,10 +184,11 @@ class Communicator:
                 chosen = _ib.choose_paths(rank, world_size, _ib.scan(), _env.ib_hca(), gid_index, gid_source or
                                           "ROCENANTE_IB_GID_INDEX")
                 _ib.log_once(rank, chosen)
-                paths = [(p.device, p.port, p.gid_index) if p is not None else ("", 0, 0) for p in chosen]
+                qos = _env.ib_qos()
+                paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
             net = {"shm": _C.Net.direct, "ib": _C.Net.ib, "tcp": _C.Net.tcp}[self.net]
             self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, net,
-                                      paths, _env.test_first_call())
+                                      paths, _env.test_first_call(), _env.proxy_spin_s())
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.

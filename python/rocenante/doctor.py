@@ -123,6 +123,14 @@ def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int):
         report.say(f"rocenante could not use RDMA here: {err}")
         return None
     report.say(_ib.describe(rank, paths))
+    try:
+        tc, sl = _env.ib_qos()
+        report.say(f"  queue pairs: traffic class {tc}, service level {sl} (ROCENANTE_IB_TC/NCCL_IB_TC, "
+                   "ROCENANTE_IB_SL/NCCL_IB_SL; 0 where unset)")
+    except ValueError as err:
+        report.fatal = True
+        report.say(f"rocenante could not use RDMA here: {err}")
+        return None
     if not _C.with_ibverbs:
         report.fatal = True
         report.say("this rocenante was built without rdma-core's headers: install libibverbs-dev and reinstall it")
@@ -195,7 +203,8 @@ def main() -> int:
             "rocenante": getattr(__import__("rocenante"), "__version__", "?"),
             "with_ibverbs": _C.with_ibverbs,
             "env": {k: os.environ.get(k) for k in ("ROCENANTE_IB_HCA", "NCCL_IB_HCA", "ROCENANTE_IB_GID_INDEX",
-                                                   "NCCL_IB_GID_INDEX", "ROCENANTE_NET")},
+                                                   "NCCL_IB_GID_INDEX", "ROCENANTE_IB_TC", "NCCL_IB_TC",
+                                                   "ROCENANTE_IB_SL", "NCCL_IB_SL", "ROCENANTE_NET")},
             "usable": paths is not None,
         }
         summaries = [None] * world

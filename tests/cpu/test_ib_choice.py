@@ -144,6 +144,23 @@ def test_environment_ours_wins_over_nccls(monkeypatch):
         _env.net()
 
 
+def test_traffic_class_and_service_level_ours_win_over_nccls(monkeypatch):
+    for name in ("ROCENANTE_IB_TC", "NCCL_IB_TC", "ROCENANTE_IB_SL", "NCCL_IB_SL"):
+        monkeypatch.delenv(name, raising=False)
+    assert _env.ib_qos() == (0, 0)
+    monkeypatch.setenv("NCCL_IB_TC", "106")
+    monkeypatch.setenv("NCCL_IB_SL", "3")
+    assert _env.ib_qos() == (106, 3)
+    monkeypatch.setenv("ROCENANTE_IB_TC", "96")
+    monkeypatch.setenv("ROCENANTE_IB_SL", "0")
+    assert _env.ib_qos() == (96, 0)
+    for name, raw, top in (("ROCENANTE_IB_TC", "256", 255), ("ROCENANTE_IB_SL", "16", 15), ("ROCENANTE_IB_SL", "x", 15)):
+        monkeypatch.setenv(name, raw)
+        with pytest.raises(ValueError, match=f"{name}='{raw}': use 0..{top}"):
+            _env.ib_qos()
+        monkeypatch.setenv(name, "1")
+
+
 def _build_with_host(store, rank, world, hosts, nets):
     import rocenante
     from rocenante import communicator

@@ -142,6 +142,7 @@ _SETUPS = [
     ({"NCCL_IB_HCA": "^rxe"}, "no usable RDMA port for rank"),
     ({"NCCL_IB_HCA": "=rxe0:1", "NCCL_IB_GID_INDEX": os.environ.get("RXE_GID_INDEX", "1")}, "ok"),
     ({"ROCENANTE_IB_HCA": "rxe0", "NCCL_IB_HCA": "mlx5_0"}, "ok"),  # ours wins over NCCL's
+    ({"ROCENANTE_IB_TC": "106", "NCCL_IB_SL": "3"}, "ok"),  # set on the queue pairs (DSCP 26, priority 3)
 ]
 
 
