@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -121,6 +122,17 @@ def _every_collective(store, rank, world):
         got = torch.empty(1)
         dist.recv(got, src=0)
         assert got.item() == 42.0
+    ring_in, ring_out = torch.full((2,), float(rank)), torch.empty(2)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, ring_in, (rank + 1) % world),
+                                     dist.P2POp(dist.irecv, ring_out, (rank - 1) % world)]):
+        w.wait()
+    assert torch.equal(ring_out, torch.full((2,), float((rank - 1) % world)))
+    pair = [torch.full((3,), float(rank)), torch.full((5,), float(rank + 1))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # all_reduce_coalesced is deprecated, not gone
+        dist.all_reduce_coalesced(pair)
+    assert torch.equal(pair[0], torch.full((3,), float(sum(range(world)))))
+    assert torch.equal(pair[1], torch.full((5,), float(sum(range(1, world + 1)))))
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     assert objs == [{"rank": r} for r in range(world)]

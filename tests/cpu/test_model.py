@@ -109,10 +109,22 @@ def test_calibration_file(tmp_path):
             allreduce.load_calibration(str(path))
 
 
+def _to_12_digits(value):
+    """`value` with every float rounded to 12 significant digits: least-squares fits differ in the last bits
+    between numpy versions."""
+    if isinstance(value, float):
+        return float(f"{value:.12g}")
+    if isinstance(value, dict):
+        return {k: _to_12_digits(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_12_digits(v) for v in value]
+    return value
+
+
 def test_committed_results_are_what_the_model_computes(tmp_path):
     cli.main(["--out", str(tmp_path / "m")])
     fresh = json.loads((tmp_path / "m.json").read_text())
     with open(os.path.join(ROOT, "benchmarks", "results", "scaling-model.json")) as f:
         committed = json.load(f)
     for key in ("profiles", "latency_us", "crossover_bytes", "decode"):
-        assert fresh[key] == committed[key], key
+        assert _to_12_digits(fresh[key]) == _to_12_digits(committed[key]), key
