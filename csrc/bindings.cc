@@ -65,6 +65,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("capacity_granule_bytes") = rocenante::kCapacityGranule;
   m.attr("max_timeout_s") = Communicator::kMaxTimeoutS;
   m.attr("default_proxy_spin_s") = rocenante::kDefaultProxySpinS;
+  m.attr("max_proxy_spin_s") = rocenante::kMaxProxySpinS;
   m.attr("timeline_build") = rocenante::kTimeline;  // built with -DROCENANTE_TIMELINE=ON (csrc/timeline.h)
   m.attr("with_ibverbs") = rocenante::kWithIbverbs;
 

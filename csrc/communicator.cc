@@ -229,8 +229,9 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
                                          std::to_string(kCapacityGranule) + " up to " + std::to_string(kMaxCapacityBytes));
   if (std::isnan(timeout_s)) ROCENANTE_THROW(InvalidArgument, "timeout is NaN");
   if (!(timeout_s > 0)) ROCENANTE_THROW(InvalidArgument, "timeout must be positive, got " + std::to_string(timeout_s));
-  if (!(proxy_spin_s >= 0 && proxy_spin_s <= 3600))
-    ROCENANTE_THROW(InvalidArgument, "proxy spin must lie in 0..3600 s, got " + std::to_string(proxy_spin_s));
+  if (!(proxy_spin_s >= 0 && proxy_spin_s <= kMaxProxySpinS))
+    ROCENANTE_THROW(InvalidArgument, "proxy spin must lie in 0.." + std::to_string(int(kMaxProxySpinS)) + " s, got " +
+                                         std::to_string(proxy_spin_s));
   if (on_fault != OnFault::kRaise && on_fault != OnFault::kAbort)
     ROCENANTE_THROW(InvalidArgument, "unknown fault policy " + std::to_string(uint32_t(on_fault)));
   if (first_epoch >= kEpochPeriod)

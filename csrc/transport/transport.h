@@ -96,6 +96,7 @@ std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint
 // How long a proxy polls hot by default (ROCENANTE_PROXY_SPIN_S): longer than any pause between a serving
 // engine's decode steps, so that no call of one pays a thread's wake-up.
 constexpr double kDefaultProxySpinS = 5.0;
+constexpr double kMaxProxySpinS = 3600.0;  // the longest it may be asked for
 // The magics at the head of the wires' handles (and of the TCP wire's hello), bumped when a format changes;
 // exposed to tests by the bindings (rocenante._C.wire).
 constexpr uint32_t kTcpHandleMagic = 0x52544331;   // "RTC1" (tcp.cc, TcpHandle)

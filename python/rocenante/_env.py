@@ -53,7 +53,7 @@ def timeout_s(given=None, group=None) -> float:
 
 def proxy_spin_s() -> float:
     """ROCENANTE_PROXY_SPIN_S: how long a network communicator's proxy thread polls hot after its last work
-    (one core per rank while it does), before it naps 50 us between polls; at most an hour."""
+    (one core per rank while it does), before it naps 50 us between polls; at most _C.max_proxy_spin_s (an hour)."""
     raw = os.environ.get("ROCENANTE_PROXY_SPIN_S", "").strip()
     if not raw:
         return _C.default_proxy_spin_s
@@ -61,8 +61,8 @@ def proxy_spin_s() -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not 0 <= value <= 3600:
-        raise ValueError(f"ROCENANTE_PROXY_SPIN_S={raw!r}: use 0..3600 seconds")
+    if not 0 <= value <= _C.max_proxy_spin_s:
+        raise ValueError(f"ROCENANTE_PROXY_SPIN_S={raw!r}: use 0..{_C.max_proxy_spin_s:g} seconds")
     return value
 
 
@@ -158,16 +158,22 @@ def parse_net(raw: str, source: str) -> str:
     return value
 
 
+def _ib_setting(suffix: str):
+    """(value, variable) of ROCENANTE_IB_<suffix>, else NCCL_IB_<suffix>, the first one set; else ("", "")."""
+    for name in (f"ROCENANTE_IB_{suffix}", f"NCCL_IB_{suffix}"):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            return raw, name
+    return "", ""
+
+
 def ib_hca():
     """ROCENANTE_IB_HCA, else NCCL_IB_HCA: the RDMA devices (and ports) to use, in NCCL's syntax
     ("mlx5_0:1,mlx5_1", "=exact", "^excluded"). None when neither is set."""
     from rocenante import _ib
 
-    for name in ("ROCENANTE_IB_HCA", "NCCL_IB_HCA"):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            return _ib.parse_hca(raw, name)
-    return None
+    raw, name = _ib_setting("HCA")
+    return _ib.parse_hca(raw, name) if raw else None
 
 
 def ib_qos():
@@ -176,24 +182,18 @@ def ib_qos():
     whose lossless class is a DSCP (or a priority), traffic in class 0 rides the lossy one."""
     values = []
     for suffix, top in (("TC", 255), ("SL", 15)):
-        value = 0
-        for name in (f"ROCENANTE_IB_{suffix}", f"NCCL_IB_{suffix}"):
-            raw = os.environ.get(name, "").strip()
-            if raw:
-                if not raw.isdigit() or int(raw) > top:
-                    raise ValueError(f"{name}={raw!r}: use 0..{top}")
-                value = int(raw)
-                break
-        values.append(value)
+        raw, name = _ib_setting(suffix)
+        if raw and (not raw.isdigit() or int(raw) > top):
+            raise ValueError(f"{name}={raw!r}: use 0..{top}")
+        values.append(int(raw) if raw else 0)
     return tuple(values)
 
 
 def ib_gid_index():
     """ROCENANTE_IB_GID_INDEX, else NCCL_IB_GID_INDEX: (index, variable) when one is set, else (None, "")."""
-    for name in ("ROCENANTE_IB_GID_INDEX", "NCCL_IB_GID_INDEX"):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            if not raw.isdigit() or int(raw) > 255:
-                raise ValueError(f"{name}={raw!r}: use a GID table index, 0..255")
-            return int(raw), name
-    return None, ""
+    raw, name = _ib_setting("GID_INDEX")
+    if not raw:
+        return None, ""
+    if not raw.isdigit() or int(raw) > 255:
+        raise ValueError(f"{name}={raw!r}: use a GID table index, 0..255")
+    return int(raw), name

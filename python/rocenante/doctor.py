@@ -118,19 +118,14 @@ def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int):
     try:
         gid_index, source = _env.ib_gid_index()
         paths = _ib.choose_paths(rank, world, sysfs, _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX")
+        tc, sl = _env.ib_qos()
     except (ValueError, _C.RocenanteError) as err:
         report.fatal = True
         report.say(f"rocenante could not use RDMA here: {err}")
         return None
     report.say(_ib.describe(rank, paths))
-    try:
-        tc, sl = _env.ib_qos()
-        report.say(f"  queue pairs: traffic class {tc}, service level {sl} (ROCENANTE_IB_TC/NCCL_IB_TC, "
-                   "ROCENANTE_IB_SL/NCCL_IB_SL; 0 where unset)")
-    except ValueError as err:
-        report.fatal = True
-        report.say(f"rocenante could not use RDMA here: {err}")
-        return None
+    report.say(f"  queue pairs: traffic class {tc}, service level {sl} (ROCENANTE_IB_TC/NCCL_IB_TC, "
+               "ROCENANTE_IB_SL/NCCL_IB_SL; 0 where unset)")
     if not _C.with_ibverbs:
         report.fatal = True
         report.say("this rocenante was built without rdma-core's headers: install libibverbs-dev and reinstall it")
