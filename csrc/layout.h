@@ -182,7 +182,9 @@ ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (fl
 // mailbox's ring words (the kernel's) and arrival words (the proxy's) in one line, in 4 of 11 runs of 1,000
 // iterations of calls on two streams a call timed out on both ranks while some threads of the same launch had
 // completed it, and at the timeout its arrival word held the buffer's previous epoch (which only the proxy
-// writes, one epoch after another; benchmarks/results/h200-two-streams-arrival-lost.log).
+// writes, one epoch after another; benchmarks/results/h200-two-streams-arrival-lost.log). The split alone did not
+// end those timeouts; the kernel also reads such words with a load that refetches cached system-memory lines
+// (wire.cuh, load_polled).
 constexpr size_t kLineBytes = 128;
 
 // The region header: the abort words (written by the peers and this rank's host, never by its GPU), then the
@@ -237,8 +239,9 @@ ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffs
 //     at its abort word, which the host sends (Communicator::current_fault), and name its root cause.
 //   arrived[b][s] = epoch of the last call using buffer b whose delivery from network peer s has arrived whole,
 //     stored by the proxy with release; the reducer reads s's call word and area of call e only after it read
-//     (acquire) arrived[e % 3][s] == e. A wire guarantees neither placement order nor word atomicity while a
-//     delivery lands (transport.h); this wait is why neither is needed.
+//     (acquire; the kernel: a refetching load, then a fence, wire.cuh) arrived[e % 3][s] == e. A wire guarantees
+//     neither placement order nor word atomicity while a delivery lands (transport.h); this wait is why neither
+//     is needed.
 // One slot per buffer, since neither side may overwrite a value the other has not taken yet: a rank can ring
 // call e + 1 before its proxy took call e (the peers' data of call e lets this rank finish call e, whether or not
 // ours has left), but not call e + 2 (the peers send call e + 1 only once they have our data of call e); in the

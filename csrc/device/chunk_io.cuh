@@ -84,18 +84,19 @@ __device__ __forceinline__ void send_chunk(uint32_t* dst, size_t c, const uint32
 
 // One poll of a peer's chunk: true once all of it has arrived (its words in `got`).
 template <DType D>
-__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<D>]) {
+__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<D>],
+                                           bool host) {
   if constexpr (format_of(D) == Format::kLamport) {
     uint32_t w[4];
-    load_polled(src + c * (kChunkBytes / sizeof(uint32_t)), w);
+    load_polled(src + c * (kChunkBytes / sizeof(uint32_t)), w, host);
 #pragma unroll
     for (int i = 0; i < 4; ++i) got[i] = w[i];
     return w[0] != kEmpty && w[1] != kEmpty && w[2] != kEmpty && w[3] != kEmpty;
   } else {
     const uint32_t* lines = src;
     uint32_t l0[4], l1[4];
-    load_polled(lines + chunk_line(c, 0) * 4, l0);
-    load_polled(lines + chunk_line(c, 1) * 4, l1);
+    load_polled(lines + chunk_line(c, 0) * 4, l0, host);
+    load_polled(lines + chunk_line(c, 1) * 4, l1, host);
 #pragma unroll
     for (int i = 0; i < 4; ++i) got[i] = l0[i], got[4 + i] = l1[i];
     return l0[1] == call && l0[3] == call && l1[1] == call && l1[3] == call;

@@ -124,7 +124,14 @@ __device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint
 __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
                                   uint32_t pending) {
   if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
-  if (const uint64_t f = abort_seen(a, pending, [](const uint64_t* w) { return load_acquire_sys(w); })) return f;
+  const bool host = a.network != 0;  // the region is host memory (wire.cuh)
+  if (const uint64_t f = abort_seen(a, pending, [host](const uint64_t* w) {
+        if (!host) return load_acquire_sys(w);
+        const uint64_t v = load_acquire_host(w);
+        if (v != 0) fence_acquire_sys();
+        return v;
+      }))
+    return f;
   return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
@@ -279,11 +286,13 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
           landed[p] = false;
           if (!(pending & (1u << p))) continue;
           // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
-          if ((a.network & (1u << p)) && !(calls_seen & (1u << p)) &&
-              load_acquire_sys(&a.mailbox->arrived[buffer][p]) != epoch)
-            continue;
-          if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p));
-          landed[p] = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p]);
+          const bool network = a.network & (1u << p);
+          if (network && !(calls_seen & (1u << p))) {
+            if (load_polled(&a.mailbox->arrived[buffer][p], true) != epoch) continue;
+            fence_acquire_sys();
+          }
+          if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p), network);
+          landed[p] = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p], network);
         }
 #pragma unroll
         for (int p = 0; p < W; ++p) {

@@ -27,18 +27,47 @@ __device__ __forceinline__ void store_line(Line* p, uint32_t d0, uint32_t d1, ui
                : "memory");
 }
 
-// Loads from our own region; volatile so that every poll reads memory again instead of a cached copy.
-__device__ __forceinline__ void load_polled(const uint32_t* p, uint32_t (&w)[4]) {
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-               : "l"(p)
-               : "memory");
+// Loads from our own region; volatile so that every poll reads memory again instead of a cached copy. Words that
+// a host thread or a NIC writes into mapped host memory (`host`: a network peer's call word and area, the
+// mailbox's arrival words, abort words in a host region) are loaded with the .cv cache operator instead, which
+// takes a cached copy of a system-memory line as stale and fetches the line again (PTX ISA, "Cache Operators").
+// Volatile and acquire loads did not always: on one H200, two ranks sharing it over the TCP wire, 1,000 iterations
+// of calls on two streams timed out on both ranks in 2 of 13 runs after the line split (kLineBytes), part of one
+// launch's threads reading, until the timeout, the arrival word (and, in a diagnosis build, the call word and
+// area) as it was three calls earlier, while the launch's other threads had read the call whole
+// (benchmarks/results/h200-two-streams-arrival-lost.log); with .cv, 0 of 7 runs
+// (benchmarks/results/h200-two-streams-cv.log). A host thread's writes and a GPU's polls alone showed no stale
+// read (benchmarks/host_line_probe.cu).
+__device__ __forceinline__ void load_polled(const uint32_t* p, uint32_t (&w)[4], bool host) {
+  if (host) {
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p)
+                 : "memory");
+  } else {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "l"(p)
+                 : "memory");
+  }
 }
-__device__ __forceinline__ uint32_t load_polled(const uint32_t* p) {
+__device__ __forceinline__ uint32_t load_polled(const uint32_t* p, bool host) {
   uint32_t v;
-  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (host) {
+    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
   return v;
 }
+// An acquire of a word in host memory that another agent writes: a .cv load (above), then, once it holds what
+// the caller waits for, a system-scope fence that orders the caller's later loads after it.
+__device__ __forceinline__ uint64_t load_acquire_host(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // The reset of our own region (layout.h), 16 bytes of an area or one call word, ordered before any peer's next
 // write to these words by the end of this kernel, which comes before we send the data that lets a peer make that

@@ -103,8 +103,9 @@ def _diagnose(got, i, k, n, rank, dev):
 
 @cases("net, via_backend", ("", False), ("tcp", False), ("", True))
 def test_calls_on_two_streams_execute_in_issue_order(net, via_backend):
-    # 1,000 iterations: over the TCP wire, 200 timed out (outputs poisoned; layout.h, kLineBytes says why)
-    # in 2 of 9 runs on an H200, 1,000 in 4 of 11.
+    # 1,000 iterations: over the TCP wire, with ranks sharing an H200, calls timed out on both ranks (outputs
+    # poisoned) in 4 of 11 runs, then in 2 of 13 after the line split, and in 0 of 7 once the kernel read network
+    # peers' words with refetching loads (wire.cuh, load_polled).
     assert expect_ok(run_ranks(WORLD, _two_streams, 1000, via_backend, timeout=300)) == [1000, 1000]
 
 
