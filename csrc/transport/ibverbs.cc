@@ -133,6 +133,7 @@ const Verbs& verbs() {
 constexpr uint8_t kAckTimeout = 16;
 constexpr uint8_t kRetryCount = 6;
 constexpr double kRetryBudgetS = (kRetryCount + 1) * 4.096e-6 * (1 << kAckTimeout);
+static_assert(kRetryBudgetS <= kLivenessBudgetS, "a probe fails within the budget transport.h states");
 // The NIC reports every posted write within the retry budget; waiting four times as long before calling the
 // peer unreachable only guards against a NIC or driver that stopped reporting.
 constexpr double kCompletionWaitS = 4 * kRetryBudgetS;
@@ -206,6 +207,7 @@ struct PeerLink {
   uint32_t signals = 0;    // signals sent
   uint32_t arrivals = 0;   // signals received (each carries the sender's count, checked)
   uint32_t consumed = 0;   // arrivals the host path has used
+  int in_flight = 0;       // signalled writes to this peer posted and not yet completed
 };
 
 class IbverbsWire final : public Wire {
@@ -426,6 +428,27 @@ class IbverbsWire final : public Wire {
 
   void consume(int peer) override { ++links_[peer].consumed; }
 
+  // A zero-length RDMA WRITE, which the peer's NIC acknowledges (or which fails after the retry budget), unless
+  // a write to the peer is in flight already; failures of any write on the device come back here too.
+  void probe(int peer, uint64_t& fault) override {
+    PeerLink& l = links_[peer];
+    if (l.qp == nullptr || l.remote.qp_num == 0) return;
+    if (pending_fault_ != 0) {
+      fault = pending_fault_;
+      pending_fault_ = 0;
+      return;
+    }
+    fault = poll_completions(devices_[l.device]);
+    if (fault != 0 || l.in_flight > 0) return;
+    ibv_send_wr wr{};
+    wr.wr_id = (uint64_t(peer) << 1) | 1;
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.rdma.remote_addr = l.remote.addr;
+    wr.wr.rdma.rkey = l.remote.rkey;
+    post(peer, wr);
+  }
+
   void post_abort(int peer, uint64_t word) noexcept override {
     if (peer == rank_) {
       __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
@@ -539,6 +562,7 @@ class IbverbsWire final : public Wire {
       return;
     }
     ++devices_[links_[peer].device].outstanding;
+    ++links_[peer].in_flight;
   }
 
   int post_receive(int peer) {
@@ -556,6 +580,7 @@ class IbverbsWire final : public Wire {
       if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
       for (int i = 0; i < n; ++i) {
         --d.outstanding;
+        --links_[wc[i].wr_id >> 1].in_flight;
         if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
           fault = encode_fault(Fault::kTransport, uint32_t(wc[i].wr_id >> 1), uint32_t(wc[i].status));
       }

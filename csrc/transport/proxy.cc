@@ -10,6 +10,8 @@
 //            argument of ibverbs.cc rests on it).
 //   receive: when arrived(p): arrived[e_p % 3][p] = e_p (release), consume(p), and e_p moves on to the next
 //            epoch (every call is delivered to every peer once, so p's n-th delivery is its n-th call's).
+//   liveness: every kProbeInterval while the reducer's current call waits for a peer's delivery, probe(p)
+//            (transport.h), so that a peer whose host went down fails the wait within about kLivenessBudgetS.
 //   idle:    for spin_s after its last work it polls hot (the CPU's pause instruction between polls), then it
 //            sleeps kNap between polls, so a first call after a longer idle waits up to about kNap for each of its
 //            two proxy steps (ring taken, arrival seen) on top of its usual time.
@@ -42,6 +44,9 @@ constexpr std::chrono::microseconds kNap{50};
 // that closing beside a stopped peer does not hang: a live peer acknowledges within a round trip.
 constexpr std::chrono::milliseconds kDrain{1000};
 constexpr unsigned long kTimerSlackNs = 1000;
+// How often a peer whose delivery the reducer waits for is probed (transport.h): a tenth of the budget, so that a
+// host gone while this rank waits is seen within kLivenessBudgetS plus one interval.
+constexpr std::chrono::milliseconds kProbeInterval{100};
 
 // Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
 void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
@@ -108,6 +113,7 @@ class Proxy final : public Transport {
     bool closed[kMaxRanks] = {};
     for (uint32_t& e : receive) e = first_epoch_;
     auto last_work = std::chrono::steady_clock::now();
+    auto last_probe = last_work;
     std::chrono::steady_clock::time_point drain_until{};
     while (true) {
       if (stop_.load(std::memory_order_relaxed)) {
@@ -155,6 +161,18 @@ class Proxy final : public Transport {
             worked = true;
           } else if (failed != 0 && !closed_connection(failed, closed)) {
             fault = failed;
+          }
+        }
+        if (fault == 0 && rung != kNoEpoch) {
+          const auto now = std::chrono::steady_clock::now();
+          if (now - last_probe >= kProbeInterval) {
+            last_probe = now;
+            for (int p = 0; p < world && fault == 0; ++p) {
+              if (p == rank_ || closed[p] || receive[p] != rung) continue;
+              uint64_t failed = 0;
+              wire_->probe(p, failed);
+              if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
+            }
           }
         }
         // A closed peer fails this rank only once this rank is in a call that peer has not delivered.
@@ -226,6 +244,9 @@ std::string transport_status(uint32_t status) {
   switch (status) {
     case kBadSignal: return "a delivery signal arrived out of sequence, or a malformed message (TCP wire)";
     case kConnectionClosed: return "the connection closed (the peer's process ended or it closed the communicator)";
+    case kUnacknowledged:
+      return "the peer's host acknowledged nothing for " + std::to_string(int(kLivenessBudgetS * 1000)) +
+             " ms (it or the link to it is down)";
     default: return verbs_status(status);
   }
 }

@@ -12,7 +12,8 @@
 //   write   bytes [offset, offset + bytes) of s's image, for the same offset of r's region: read whole and
 //           kept until the round's signal;
 //   signal  seq = s's count of signals to r before this one; r checks it, places the round's writes, acks;
-//   abort   an 8-byte abort word, placed at abort[s] of r's region with one atomic 64-bit store.
+//   abort   an 8-byte abort word, placed at abort[s] of r's region with one atomic 64-bit store;
+//   probe   nothing: r's TCP stack acknowledges it, as any segment (probe(), transport.h).
 // Invariants, for one sender s and one receiver r:
 //   1. An ack means: this signal and every write s queued for r before it were placed. TCP delivers a
 //      connection's bytes once each and in order, and r's one thread for s places a round's writes when it
@@ -38,7 +39,10 @@
 // Threads: the proxy serialises every call below (post_abort included); only the receiver threads run beside
 // it, and they touch only the region (atomic stores), the arrival counts (release) and the closed states.
 // Sends never block the proxy: a stopped peer fills its socket and stops acking, and the reducer's timeout
-// names it; a dead one resets its connections, which comes back as kConnectionClosed naming it.
+// names it; a dead one resets its connections, which comes back as kConnectionClosed naming it. A peer host that
+// goes silent (down, unplugged) leaves what was sent to it unacknowledged: TCP_USER_TIMEOUT (kLivenessBudgetS) ends
+// the connection, which comes back as kUnacknowledged; the proxy's probes make sure something is in flight while
+// this rank waits for that peer.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -104,7 +108,7 @@ struct Hello {
 };
 static_assert(sizeof(Hello) == 16, "Hello travels as raw bytes: no implicit padding");
 
-enum Kind : uint32_t { kWrite = 1, kSignal = 2, kAbort = 3 };
+enum Kind : uint32_t { kWrite = 1, kSignal = 2, kAbort = 3, kProbe = 4 };
 struct Header {
   uint32_t kind;
   uint32_t seq;  // signals: the sender's count of earlier signals to this receiver; otherwise 0
@@ -166,10 +170,17 @@ bool write_all(int fd, const void* src, size_t bytes) {
   return true;
 }
 
-void set_nodelay(int fd) {
-  const int one = 1;  // small messages (signals, acks, call words) leave at once
+// Both ends of every connection: small messages (signals, acks, call words) leave at once, and data the peer's
+// host leaves unacknowledged for kLivenessBudgetS ends the connection (ETIMEDOUT).
+void set_options(int fd) {
+  const int one = 1;
   ROCENANTE_CHECK_SYS(setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)));
+  const unsigned budget_ms = unsigned(kLivenessBudgetS * 1000);
+  ROCENANTE_CHECK_SYS(setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &budget_ms, sizeof(budget_ms)));
 }
+
+// Why a connection that failed a send or receive is over.
+uint32_t broken_status(int error) { return error == ETIMEDOUT ? kUnacknowledged : kConnectionClosed; }
 
 sockaddr_in loopback(uint16_t port) {
   sockaddr_in a{};
@@ -317,6 +328,16 @@ class TcpWire final : public Wire {
 
   void consume(int peer) override { ++peers_[peer].consumed; }
 
+  // A message still queued is as good as a probe: what the socket cannot take yet, it holds unacknowledged.
+  void probe(int peer, uint64_t& fault) override {
+    Peer& q = peers_[peer];
+    if (q.out < 0) return;
+    if (q.out_status == 0 && q.queue.empty()) q.queue.push_back(Outgoing{Header{kProbe, 0, 0, 0}, 0, 0});
+    push(q);
+    read_acks(q);
+    if (q.out_status != 0) fault = encode_fault(Fault::kTransport, uint32_t(peer), q.out_status);
+  }
+
   void post_abort(int peer, uint64_t word) noexcept override {
     if (peer == rank_) {
       __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
@@ -374,7 +395,7 @@ class TcpWire final : public Wire {
     const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     ROCENANTE_CHECK_SYS(fd);
     peers_[p].out = fd;  // from here on disconnect() closes it
-    set_nodelay(fd);
+    set_options(fd);
     const sockaddr_in a = loopback(uint16_t(h.port));
     if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0) {
       if (errno != EINPROGRESS)
@@ -418,7 +439,7 @@ class TcpWire final : public Wire {
         ROCENANTE_THROW(Error, "rank " + std::to_string(rank_) + ": a connection to its TCP wire " + bad + ": refused");
       }
       peers_[from].in = fd;  // blocking (accept4 does not inherit O_NONBLOCK): the receiver thread's
-      set_nodelay(fd);       // acks leave at once
+      set_options(fd);
       --missing;
     }
   }
@@ -449,7 +470,7 @@ class TcpWire final : public Wire {
       const ssize_t sent = sendmsg(q.out, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
       if (sent < 0) {
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) broken(q, kConnectionClosed);
+        if (errno != EAGAIN && errno != EWOULDBLOCK) broken(q, broken_status(errno));
         return;
       }
       for (size_t left = size_t(sent); left > 0;) {
@@ -466,7 +487,7 @@ class TcpWire final : public Wire {
   }
 
   char* payload(Outgoing& m) const {
-    return m.header.kind == kAbort ? reinterpret_cast<char*>(&m.word) : block_ + bytes_ + m.header.offset;
+    return m.header.kind == kWrite ? block_ + bytes_ + m.header.offset : reinterpret_cast<char*>(&m.word);
   }
 
   // Takes the acks that have come, without blocking; each must acknowledge the next signal sent.
@@ -475,7 +496,7 @@ class TcpWire final : public Wire {
       const ssize_t n = recv(q.out, q.acks + q.ack_bytes, sizeof(q.acks) - q.ack_bytes, MSG_DONTWAIT);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      if (n <= 0) return broken(q, kConnectionClosed);
+      if (n <= 0) return broken(q, n < 0 ? broken_status(errno) : kConnectionClosed);
       q.ack_bytes += size_t(n);
       size_t at = 0;
       for (; q.ack_bytes - at >= sizeof(Ack); at += sizeof(Ack)) {
@@ -528,7 +549,7 @@ class TcpWire final : public Wire {
           const bool acked = write_all(q.in, &ack, sizeof(ack));
           q.arrivals.store(expected, std::memory_order_release);  // after the writes' stores, and the ack
           if (!acked) break;
-        } else {
+        } else if (h.kind == kAbort) {
           uint64_t word;
           if (!read_all(q.in, &word, sizeof(word))) break;
           __atomic_store_n(abort_word(local_region(), p), word, __ATOMIC_RELEASE);
@@ -562,6 +583,7 @@ class TcpWire final : public Wire {
                h.offset >= kCallWordsOffset && h.offset <= bytes_ && h.bytes <= bytes_ - h.offset;
       case kSignal: return h.seq == expected && h.offset == 0 && h.bytes == 0;
       case kAbort: return h.seq == 0 && h.offset == uint64_t(p) * sizeof(uint64_t) && h.bytes == sizeof(uint64_t);
+      case kProbe: return h.seq == 0 && h.offset == 0 && h.bytes == 0;
       default: return false;
     }
   }

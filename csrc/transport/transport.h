@@ -54,6 +54,13 @@ class Transport {
 //   receiver: arrived(p) is true while a signal of p has arrived that consume(p) has not yet taken; everything p
 //             delivered before that signal is then in the region, whole. A broken connection comes back through
 //             `fault`, after every signal that arrived before the break.
+//   liveness: probe(p), which the proxy calls every kProbeInterval (proxy.cc) while this rank waits for p's
+//             delivery: if nothing is in flight to p, the wire sends p a message that p's transport (its NIC,
+//             its host's TCP stack), not its process, acknowledges; anything unacknowledged for
+//             kLivenessBudgetS fails the connection, and probe() reports a broken connection through `fault`. So
+//             a peer whose host or link went down fails this rank's wait within about that budget, whether or not
+//             this rank had anything to send it, while a stopped but live peer is still acknowledged and stays a
+//             timeout.
 // Abort words (post_abort) travel without a signal: a reader of abort words only asks "nonzero?".
 class Wire : public Transport {
  public:
@@ -62,7 +69,11 @@ class Wire : public Transport {
   virtual bool delivered(uint64_t& fault) = 0;
   virtual bool arrived(int peer, uint64_t& fault) = 0;
   virtual void consume(int peer) = 0;
+  virtual void probe(int peer, uint64_t& fault) = 0;
 };
+// How long a wire lets a write go unacknowledged by the peer's transport before it fails the connection: the
+// RDMA retransmission budget (ibverbs.cc), and the TCP wire's TCP_USER_TIMEOUT.
+constexpr double kLivenessBudgetS = 1.9;
 
 // One RDMA port and GID chosen for the connection to one peer (python/rocenante/_ib.py chooses them).
 struct IbPath {
@@ -112,6 +123,7 @@ constexpr uint32_t kPollFailed = 0x101;    // ibv_poll_cq failed
 constexpr uint32_t kNoCompletion = 0x102;  // no completion within four times the retransmission budget
 constexpr uint32_t kBadSignal = 0x103;     // a peer's delivery signal arrived out of sequence
 constexpr uint32_t kConnectionClosed = 0x104;  // the TCP wire's connection ended (the peer closed or died)
+constexpr uint32_t kUnacknowledged = 0x105;  // the TCP wire's peer host acknowledged nothing for kLivenessBudgetS
 // A kTransport value in words, e.g. "transport retry counter exceeded (verbs status 12)" (proxy.cc); the
 // verbs statuses and verbs-only values through verbs_status() (ibverbs.cc, or no_ibverbs.cc without rdma-core).
 std::string transport_status(uint32_t status);

@@ -135,6 +135,39 @@ def test_write_to_a_vanished_queue_pair_fails_naming_the_peer_and_verbs_status()
     assert elapsed < 15.0, f"took {elapsed:.1f} s (retransmission budget about 1.9 s)"
 
 
+def _peer_vanishes_while_waited_for(store, rank, world):
+    """Rank 1 destroys its queue pairs without telling rank 0 while rank 0 only waits for its data, having nothing
+    left to send it: only the proxy's probes (transport.h) can find out, as they would for a host gone down.
+    (SoftRoCE cannot have its packets dropped here: a device's traffic to itself loops back inside rxe, and a
+    second device's address is reached through lo.) Rank 1's process lives on, so no watchdog sees anything."""
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
+    comm.all_reduce(torch.ones(16))
+    all_arrived(store, world, "first call done")
+    if rank == 1:
+        time.sleep(2.0)  # rank 0 is waiting by now, its data to us acknowledged
+        comm.close()
+        store.set("gone_at", repr(time.monotonic()))  # CLOCK_MONOTONIC: one clock for every process of the VM
+        all_arrived(store, world, "done")
+        return None
+    x = torch.ones(16)
+    with pytest.raises(rocenante.RocenanteError) as err:
+        comm.all_reduce(x, out=x)
+    elapsed = time.monotonic() - float(store.get("gone_at"))
+    poisoned = bool(torch.isnan(x).all())
+    all_arrived(store, world, "done")
+    return type(err.value).__name__, str(err.value), elapsed, poisoned
+
+
+def test_a_peer_that_vanishes_while_waited_for_fails_the_wait_naming_it():
+    kind, message, elapsed, poisoned = expect_ok(run(2, _peer_vanishes_while_waited_for))[0]
+    print(f"vanished peer seen after {elapsed:.2f} s (emulated VM; retransmission budget about 1.9 s): {message}")
+    assert kind == "PeerAbortedError", message
+    # The probe's retries run out (status 12), or rxe flushes it as the queue pair goes to error (5); 1.86 s once.
+    assert re.search(r"the network path to rank 1 failed: .*\(verbs status (5|12)\)", message), message
+    assert poisoned
+    assert elapsed < 10.0, f"took {elapsed:.1f} s (retransmission budget about 1.9 s; the timeout is 120 s)"
+
+
 # (environment, what happens): setup errors name the device (and the peer), never a silent fallback.
 _SETUPS = [
     ({"ROCENANTE_IB_GID_INDEX": "7"}, "ROCENANTE_IB_GID_INDEX=7: rxe0 port 1 (for"),
