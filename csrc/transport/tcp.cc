@@ -42,7 +42,10 @@
 // names it; a dead one resets its connections, which comes back as kConnectionClosed naming it. A peer host that
 // goes silent (down, unplugged) leaves what was sent to it unacknowledged: TCP_USER_TIMEOUT (kLivenessBudgetS) ends
 // the connection, which comes back as kUnacknowledged; the proxy's probes make sure something is in flight while
-// this rank waits for that peer.
+// this rank waits for that peer. Unlike a NIC, a stopped peer's TCP stack stops taking data once its socket is
+// full, and Linux applies TCP_USER_TIMEOUT to a zero window too: a stopped peer that was sent more than its
+// sockets hold fails as kUnacknowledged, not at the timeout. A test vehicle's difference; over RDMA the NIC takes
+// every write whatever the process does.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
