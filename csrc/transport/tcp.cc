@@ -147,13 +147,15 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// False once the connection ended (EOF, reset, shutdown) before `bytes` arrived, or `deadline` (if any) passed.
+// False once the connection ended (EOF, reset, shutdown) before `bytes` arrived, or `deadline` (if any) passed;
+// errno then says why (0 at EOF).
 bool read_all(int fd, void* dst, size_t bytes, const Clock::time_point* deadline = nullptr) {
   char* p = static_cast<char*>(dst);
   while (bytes > 0) {
     if (deadline != nullptr && !wait_fd(fd, POLLIN, *deadline)) return false;
     const ssize_t n = recv(fd, p, bytes, deadline != nullptr ? MSG_DONTWAIT : 0);
     if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (n == 0) errno = 0;
     if (n <= 0) return false;
     p += n;
     bytes -= size_t(n);
@@ -558,6 +560,7 @@ class TcpWire final : public Wire {
           __atomic_store_n(abort_word(local_region(), p), word, __ATOMIC_RELEASE);
         }
       }
+      if (status == kConnectionClosed) status = broken_status(errno);  // why the last read or ack failed
     } catch (const std::bad_alloc&) {  // a round's buffer: the connection cannot go on
       shutdown(q.in, SHUT_RDWR);
     }
