@@ -127,7 +127,7 @@ __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, 
   const bool host = a.network != 0;  // the region is host memory (wire.cuh)
   if (const uint64_t f = abort_seen(a, pending, [host](const uint64_t* w) {
         if (!host) return load_acquire_sys(w);
-        const uint64_t v = load_acquire_host(w);
+        const uint64_t v = load_host_word(w);
         if (v != 0) fence_acquire_sys();
         return v;
       }))

@@ -4,8 +4,8 @@
 // spans: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
 // and abort words: seen by the host and by peer GPUs (system scope); the release orders what a thread wrote
 // before them (e.g. the record's epoch) first. Mailbox (network peers, layout.h): the ring is stored with
-// release and the arrival words are loaded with acquire, at system scope, since the proxy thread on the host
-// is the other side.
+// release at system scope, since the proxy thread on the host is the other side; the arrival words, like every
+// word a host thread or NIC writes, are loaded with .cv and fenced once they match (load_polled).
 #pragma once
 
 #include <cstdint>
@@ -60,9 +60,9 @@ __device__ __forceinline__ uint32_t load_polled(const uint32_t* p, bool host) {
   }
   return v;
 }
-// An acquire of a word in host memory that another agent writes: a .cv load (above), then, once it holds what
-// the caller waits for, a system-scope fence that orders the caller's later loads after it.
-__device__ __forceinline__ uint64_t load_acquire_host(const uint64_t* p) {
+// A 64-bit word in host memory that another agent writes (an abort word), loaded as above. The acquire that such a
+// load stands in for: once a value is one the caller acts on, fence_acquire_sys() before the caller's later loads.
+__device__ __forceinline__ uint64_t load_host_word(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.global.cv.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
