@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
 #   benchmarks/gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [extra benchmark arguments...]
+#   benchmarks/gpu_machine.sh OUTDIR stress [SECONDS]
 # Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit; gpu-tests-PART.* for a part), OUTDIR/test-figures.jsonl
 # (detection times, soak and leak figures; every part appends), OUTDIR/bench.json, OUTDIR/bench.png,
 # OUTDIR/bench.log, OUTDIR/fusion.json and OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown (not part of
@@ -23,6 +24,11 @@
 # network-path tests): there too, run it in parts.
 # ROCENANTE_PREBUILT=DIR skips the build and imports rocenante from DIR, a `pip install --target DIR` of this tree
 # made elsewhere for that machine's Python (a device lease then spends no minute building; README, GPU tests).
+# stress: test_calls_on_two_streams_execute_in_issue_order[tcp-False] (ranks sharing a GPU: 30-40 s a run that
+# passes, about 130 s one that times out) again and again until SECONDS (default 450) have passed; OUTDIR/stress.log
+# has a line a run, the tail of each failed run's output, and the count. Build once per machine with
+# ROCENANTE_PREBUILT pointing at a `pip install --target` made there by an earlier call (the folder stays while the
+# machine is warm), so that a run of calls spends its minutes on the loop.
 set -uo pipefail
 out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [bench args...]}
 what=${2:-all}
@@ -39,8 +45,10 @@ case $part in
   faults) selection=("$gpu/test_gpu_faults.py" "$gpu/test_gpu_hostile.py") ;;
   rest) selection=("$gpu" --ignore="$gpu/test_gpu_allreduce.py" --ignore="$gpu/test_gpu_faults.py"
                    --ignore="$gpu/test_gpu_hostile.py") ;;
+  stress) selection=("$gpu/test_gpu_faults.py" -k "two_streams and tcp") ;;
   *) echo "unknown part '$part': allreduce-direct, allreduce-tcp, sanitizer, faults or rest" >&2; exit 2 ;;
 esac
+if [[ $what == stress ]]; then part=stress; fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # the tests run in /tmp
 # NVLink multicast stays off everywhere (NCCL NVLS, torch SymmetricMemory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -80,5 +88,18 @@ if [[ $what == breakdown ]]; then
   (cd /tmp && PYTHONPATH=/tmp/rocenante-timeline python3 "$OLDPWD/benchmarks/net_breakdown.py" --out "$out/breakdown.json") \
     2>&1 | tee "$out/breakdown.log" | tail -20
   status=$(( status || PIPESTATUS[0] ))
+fi
+if [[ $what == stress ]]; then
+  runs=0 fails=0 start=$SECONDS
+  while (( SECONDS - start < ${1:-450} )); do
+    runs=$((runs + 1)) began=$SECONDS
+    (cd /tmp && python3 -m pytest -q -x -m gpu -p no:cacheprovider "${selection[@]}") > "$out/stress-run.log" 2>&1
+    rc=$?
+    echo "stress run $runs rc=$rc $((SECONDS - began)) s" >> "$out/stress.log"
+    if (( rc )); then fails=$((fails + 1)); tail -40 "$out/stress-run.log" >> "$out/stress.log"; fi
+  done
+  rm -f "$out/stress-run.log"
+  echo "stress: $fails of $runs runs failed" | tee -a "$out/stress.log"
+  status=$(( fails > 0 ))
 fi
 exit $status
