@@ -37,6 +37,7 @@ repo=$PWD
 gpu=$repo/tests/gpu
 part= suffix=
 if [[ $what == tests && $# -ge 1 ]]; then part=$1 suffix=-$1; shift; fi
+if [[ $what == stress ]]; then part=stress; fi
 case $part in
   "") selection=("$repo/tests") ;;
   allreduce-direct) selection=("$gpu/test_gpu_allreduce.py" -k "not tcp and not sanitizer") ;;
@@ -48,7 +49,6 @@ case $part in
   stress) selection=("$gpu/test_gpu_faults.py" -k "two_streams and tcp") ;;
   *) echo "unknown part '$part': allreduce-direct, allreduce-tcp, sanitizer, faults or rest" >&2; exit 2 ;;
 esac
-if [[ $what == stress ]]; then part=stress; fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # the tests run in /tmp
 # NVLink multicast stays off everywhere (NCCL NVLS, torch SymmetricMemory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
