@@ -61,6 +61,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <utility>
 
 #include "../errors.h"
 #include "transport.h"
@@ -377,11 +378,7 @@ class IbverbsWire final : public Wire {
   }
 
   bool delivered(uint64_t& fault) override {
-    if (pending_fault_ != 0) {
-      fault = pending_fault_;
-      pending_fault_ = 0;
-      return true;
-    }
+    if ((fault = take_pending_fault()) != 0) return true;
     bool done = true;
     for (Device& d : devices_) {
       const uint64_t f = poll_completions(d);
@@ -433,12 +430,7 @@ class IbverbsWire final : public Wire {
   void probe(int peer, uint64_t& fault) override {
     PeerLink& l = links_[peer];
     if (l.qp == nullptr || l.remote.qp_num == 0) return;
-    if (pending_fault_ != 0) {
-      fault = pending_fault_;
-      pending_fault_ = 0;
-      return;
-    }
-    fault = poll_completions(devices_[l.device]);
+    if ((fault = take_pending_fault()) == 0) fault = poll_completions(devices_[l.device]);
     if (fault != 0 || l.in_flight > 0) return;
     ibv_send_wr wr{};
     wr.wr_id = (uint64_t(peer) << 1) | 1;
@@ -571,6 +563,9 @@ class IbverbsWire final : public Wire {
     ibv_recv_wr* bad = nullptr;
     return ibv_post_recv(links_[peer].qp, &wr, &bad);
   }
+
+  // A post the NIC refused, or a write drain() saw fail, once.
+  uint64_t take_pending_fault() { return std::exchange(pending_fault_, 0); }
 
   // Takes the completions `d` has now; returns the first failure among them as a fault word.
   uint64_t poll_completions(Device& d) {

@@ -116,8 +116,8 @@ class Proxy final : public Transport {
     auto last_probe = last_work;
     std::chrono::steady_clock::time_point drain_until{};
     while (true) {
+      const auto now = std::chrono::steady_clock::now();  // one clock read per turn, for every decision below
       if (stop_.load(std::memory_order_relaxed)) {
-        const auto now = std::chrono::steady_clock::now();
         if (drain_until == std::chrono::steady_clock::time_point{}) drain_until = now + kDrain;
         const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
         if ((!sending && uint32_t(ring) != send) || now > drain_until) return;
@@ -163,16 +163,13 @@ class Proxy final : public Transport {
             fault = failed;
           }
         }
-        if (fault == 0 && rung != kNoEpoch) {
-          const auto now = std::chrono::steady_clock::now();
-          if (now - last_probe >= kProbeInterval) {
-            last_probe = now;
-            for (int p = 0; p < world && fault == 0; ++p) {
-              if (p == rank_ || closed[p] || receive[p] != rung) continue;
-              uint64_t failed = 0;
-              wire_->probe(p, failed);
-              if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
-            }
+        if (fault == 0 && rung != kNoEpoch && now - last_probe >= kProbeInterval) {
+          last_probe = now;
+          for (int p = 0; p < world && fault == 0; ++p) {
+            if (p == rank_ || closed[p] || receive[p] != rung) continue;
+            uint64_t failed = 0;
+            wire_->probe(p, failed);
+            if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
           }
         }
         // A closed peer fails this rank only once this rank is in a call that peer has not delivered.
@@ -186,7 +183,6 @@ class Proxy final : public Transport {
           return;
         }
       }
-      const auto now = std::chrono::steady_clock::now();
       if (worked) {
         last_work = now;
       } else if (now - last_work < spin_) {
