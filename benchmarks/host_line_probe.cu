@@ -19,14 +19,7 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "../csrc/cuda_check.h"  // ROCENANTE_CHECK_CUDA: a failed call throws, naming itself
 
 constexpr unsigned kEmpty = 0x80000000u;
 constexpr int kLineWords = 32;  // 128 bytes
@@ -81,21 +74,21 @@ int main(int argc, char** argv) {
   for (bool stored : {false, true}) {
     unsigned* lines = nullptr;
     Turns* turns = nullptr;
-    CHECK(cudaHostAlloc(reinterpret_cast<void**>(&lines), lines_n * kLineWords * 4, cudaHostAllocMapped));
-    CHECK(cudaHostAlloc(reinterpret_cast<void**>(&turns), sizeof(Turns), cudaHostAllocMapped));
+    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&lines), lines_n * kLineWords * 4, cudaHostAllocMapped));
+    ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&turns), sizeof(Turns), cudaHostAllocMapped));
     for (size_t i = 0; i < lines_n * kLineWords; ++i) lines[i] = kEmpty;
     turns->gpu = turns->host = 0;
     unsigned *done_ctas, *max_polls, *d_lines;
     unsigned long long* stale;
     Turns* d_turns;
-    CHECK(cudaMalloc(&done_ctas, 4));
-    CHECK(cudaMalloc(&max_polls, 4));
-    CHECK(cudaMalloc(&stale, 8));
-    CHECK(cudaMemset(done_ctas, 0, 4));
-    CHECK(cudaMemset(max_polls, 0, 4));
-    CHECK(cudaMemset(stale, 0, 8));
-    CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_lines), lines, 0));
-    CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_turns), turns, 0));
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&done_ctas, 4));
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&max_polls, 4));
+    ROCENANTE_CHECK_CUDA(cudaMalloc(&stale, 8));
+    ROCENANTE_CHECK_CUDA(cudaMemset(done_ctas, 0, 4));
+    ROCENANTE_CHECK_CUDA(cudaMemset(max_polls, 0, 4));
+    ROCENANTE_CHECK_CUDA(cudaMemset(stale, 0, 8));
+    ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_lines), lines, 0));
+    ROCENANTE_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_turns), turns, 0));
     std::thread host([&] {
       auto* gpu = reinterpret_cast<std::atomic<unsigned>*>(&turns->gpu);
       auto* mine = reinterpret_cast<std::atomic<unsigned>*>(&turns->host);
@@ -108,21 +101,21 @@ int main(int argc, char** argv) {
       }
     });
     probe<<<blocks, threads>>>(d_lines, d_turns, done_ctas, stale, max_polls, rounds, stored, limit);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
+    ROCENANTE_CHECK_CUDA(cudaGetLastError());
+    ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
     host.join();
     unsigned long long stale_h = 0;
     unsigned max_h = 0;
-    CHECK(cudaMemcpy(&stale_h, stale, 8, cudaMemcpyDeviceToHost));
-    CHECK(cudaMemcpy(&max_h, max_polls, 4, cudaMemcpyDeviceToHost));
+    ROCENANTE_CHECK_CUDA(cudaMemcpy(&stale_h, stale, 8, cudaMemcpyDeviceToHost));
+    ROCENANTE_CHECK_CUDA(cudaMemcpy(&max_h, max_polls, 4, cudaMemcpyDeviceToHost));
     std::printf("%-28s rounds %d, threads %zu: stale reads %llu (gave up after %d polls), most polls %u\n",
                 stored ? "GPU stored into the line:" : "GPU never stored (control):", rounds, lines_n, stale_h,
                 limit, max_h);
-    CHECK(cudaFreeHost(lines));
-    CHECK(cudaFreeHost(turns));
-    CHECK(cudaFree(done_ctas));
-    CHECK(cudaFree(max_polls));
-    CHECK(cudaFree(stale));
+    ROCENANTE_CHECK_CUDA(cudaFreeHost(lines));
+    ROCENANTE_CHECK_CUDA(cudaFreeHost(turns));
+    ROCENANTE_CHECK_CUDA(cudaFree(done_ctas));
+    ROCENANTE_CHECK_CUDA(cudaFree(max_polls));
+    ROCENANTE_CHECK_CUDA(cudaFree(stale));
   }
   return 0;
 }

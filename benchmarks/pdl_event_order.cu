@@ -11,14 +11,7 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "../csrc/cuda_check.h"  // ROCENANTE_CHECK_CUDA: a failed call throws, naming itself
 
 __device__ unsigned long long now_ns() {
   unsigned long long t;
@@ -61,60 +54,60 @@ void launch(void (*kernel)(unsigned*, unsigned long long), void (*kernel2)(unsig
   config.stream = stream;
   config.attrs = &attr;
   config.numAttrs = pdl ? 1 : 0;
-  if (kernel != nullptr) CHECK(cudaLaunchKernelEx(&config, kernel, running, spin_ns));
-  else CHECK(cudaLaunchKernelEx(&config, kernel2, running, overlapped));
+  if (kernel != nullptr) ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, running, spin_ns));
+  else ROCENANTE_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel2, running, overlapped));
 }
 
 // One round: `first` on s1 after s2's last work (the previous round's `second`), then `second` on s2 after it.
 void round(cudaStream_t s1, cudaStream_t s2, cudaEvent_t e1, cudaEvent_t e2, bool pdl, unsigned* running,
            unsigned* overlapped, unsigned long long spin_ns) {
-  CHECK(cudaEventRecord(e2, s2));
-  CHECK(cudaStreamWaitEvent(s1, e2, 0));
+  ROCENANTE_CHECK_CUDA(cudaEventRecord(e2, s2));
+  ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(s1, e2, 0));
   launch(first, nullptr, true, s1, 64, running, overlapped, spin_ns);
-  CHECK(cudaEventRecord(e1, s1));
-  CHECK(cudaStreamWaitEvent(s2, e1, 0));
+  ROCENANTE_CHECK_CUDA(cudaEventRecord(e1, s1));
+  ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(s2, e1, 0));
   launch(nullptr, second, pdl, s2, 64, running, overlapped, spin_ns);
 }
 
 int main() {
   unsigned* words = nullptr;  // running, overlapped
-  CHECK(cudaMalloc(&words, 2 * sizeof(unsigned)));
+  ROCENANTE_CHECK_CUDA(cudaMalloc(&words, 2 * sizeof(unsigned)));
   cudaStream_t s1, s2, origin;
-  CHECK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-  CHECK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  CHECK(cudaStreamCreateWithFlags(&origin, cudaStreamNonBlocking));
+  ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&origin, cudaStreamNonBlocking));
   cudaEvent_t e1, e2, fork, join;
-  for (cudaEvent_t* e : {&e1, &e2, &fork, &join}) CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  for (cudaEvent_t* e : {&e1, &e2, &fork, &join}) ROCENANTE_CHECK_CUDA(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   const int rounds = 2000;
   const unsigned long long spin_ns = 20000;
   for (int graph = 0; graph < 2; ++graph) {
     for (int pdl = 1; pdl >= 0; --pdl) {
-      CHECK(cudaMemset(words, 0, 2 * sizeof(unsigned)));
-      CHECK(cudaDeviceSynchronize());
+      ROCENANTE_CHECK_CUDA(cudaMemset(words, 0, 2 * sizeof(unsigned)));
+      ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
       if (graph == 0) {
         for (int i = 0; i < rounds; ++i) round(s1, s2, e1, e2, pdl, words, words + 1, spin_ns);
       } else {
         cudaGraph_t g;
         cudaGraphExec_t exec;
-        CHECK(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
-        CHECK(cudaEventRecord(fork, origin));
-        CHECK(cudaStreamWaitEvent(s1, fork, 0));
-        CHECK(cudaStreamWaitEvent(s2, fork, 0));
+        ROCENANTE_CHECK_CUDA(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal));
+        ROCENANTE_CHECK_CUDA(cudaEventRecord(fork, origin));
+        ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(s1, fork, 0));
+        ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(s2, fork, 0));
         for (int i = 0; i < 50; ++i) round(s1, s2, e1, e2, pdl, words, words + 1, spin_ns);
-        CHECK(cudaEventRecord(join, s1));
-        CHECK(cudaStreamWaitEvent(origin, join, 0));
-        CHECK(cudaEventRecord(join, s2));
-        CHECK(cudaStreamWaitEvent(origin, join, 0));
-        CHECK(cudaStreamEndCapture(origin, &g));
-        CHECK(cudaGraphInstantiate(&exec, g, 0));
-        for (int i = 0; i < rounds / 50; ++i) CHECK(cudaGraphLaunch(exec, origin));
-        CHECK(cudaStreamSynchronize(origin));
-        CHECK(cudaGraphExecDestroy(exec));
-        CHECK(cudaGraphDestroy(g));
+        ROCENANTE_CHECK_CUDA(cudaEventRecord(join, s1));
+        ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(origin, join, 0));
+        ROCENANTE_CHECK_CUDA(cudaEventRecord(join, s2));
+        ROCENANTE_CHECK_CUDA(cudaStreamWaitEvent(origin, join, 0));
+        ROCENANTE_CHECK_CUDA(cudaStreamEndCapture(origin, &g));
+        ROCENANTE_CHECK_CUDA(cudaGraphInstantiate(&exec, g, 0));
+        for (int i = 0; i < rounds / 50; ++i) ROCENANTE_CHECK_CUDA(cudaGraphLaunch(exec, origin));
+        ROCENANTE_CHECK_CUDA(cudaStreamSynchronize(origin));
+        ROCENANTE_CHECK_CUDA(cudaGraphExecDestroy(exec));
+        ROCENANTE_CHECK_CUDA(cudaGraphDestroy(g));
       }
-      CHECK(cudaDeviceSynchronize());
+      ROCENANTE_CHECK_CUDA(cudaDeviceSynchronize());
       unsigned got[2];
-      CHECK(cudaMemcpy(got, words, sizeof(got), cudaMemcpyDeviceToHost));
+      ROCENANTE_CHECK_CUDA(cudaMemcpy(got, words, sizeof(got), cudaMemcpyDeviceToHost));
       std::printf("%s, second %s the PDL attribute: %u of %d rounds saw first still running\n",
                   graph ? "one graph capture, forked streams" : "eager", pdl ? "with" : "without", got[1], rounds);
     }
