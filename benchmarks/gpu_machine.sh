@@ -26,9 +26,10 @@
 # made elsewhere for that machine's Python (a device lease then spends no minute building; README, GPU tests).
 # stress: test_calls_on_two_streams_execute_in_issue_order[tcp-False] (ranks sharing a GPU: 30-40 s a run that
 # passes, about 130 s one that times out) again and again until SECONDS (default 450) have passed; OUTDIR/stress.log
-# has a line a run, the tail of each failed run's output, and the count. Build once per machine with
-# ROCENANTE_PREBUILT pointing at a `pip install --target` made there by an earlier call (the folder stays while the
-# machine is warm), so that a run of calls spends its minutes on the loop.
+# has a line a run, the tail of each failed run's output, and the count. On a lent device machine, build once per
+# warm machine into a folder outside the checkout (`pip install --target /tmp/site .`, about 50 s) and point
+# ROCENANTE_PREBUILT there in every call: /tmp stays while the machine is warm, while an ignored folder inside the
+# checkout was emptied of its files between two calls (2026-12-02).
 set -uo pipefail
 out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [bench args...]}
 what=${2:-all}
