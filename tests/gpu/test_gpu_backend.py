@@ -102,6 +102,14 @@ def _cuda_paths(store, rank, world, delegate):
 
     got = step(torch.full((64,), float(rank + 1), device=dev))
     assert torch.equal(got, torch.full((64,), 2.0 * world * (world + 1) / 2, device=dev))
+
+    # barrier() returns after the work queued on this rank's current stream, as NCCL's does: a copy queued behind
+    # about 0.1 s of GPU sleep has landed in pinned memory when it returns (gloo's barrier alone takes milliseconds).
+    landed = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    torch.cuda._sleep(200_000_000)
+    landed.copy_(torch.ones(1, dtype=torch.int32, device=dev), non_blocking=True)
+    dist.barrier()
+    assert landed.item() == 1, "barrier() returned before the work queued on this rank's current stream completed"
     dist.destroy_process_group()
     return True
 
