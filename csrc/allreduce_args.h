@@ -38,28 +38,34 @@ struct AllReduceArgs {
   uint32_t* local;            // this rank's receive region
   uint32_t* peer[kMaxRanks];  // where this rank writes to reach each peer's region (peer[rank] unused)
   // Network peers (bit p): peer[p] is this rank's image of p's region, which the proxy delivers once rung, and
-  // p's words are read only after mailbox->arrived says they arrived (layout.h, Mailbox).
+  // p's words of call e are read only after arrivals[(e % 3) * kMaxRanks + p] == e (layout.h, Mailbox).
   uint32_t network;
   // Peers whose peer[] this rank stores to: every direct peer, and of the network peers one per distinct image
   // area (a rank's area has one offset in the regions of all peers above it, another below: layout.h).
   uint32_t stores;
-  Mailbox* mailbox;  // null when no peer is a network peer
+  Mailbox* mailbox;            // null when no peer is a network peer
+  const uint32_t* arrivals;    // the arrival words, [buffer][source] (Transport::arrivals()); null as mailbox
   Timeline* timeline;  // timeline builds (timeline.h), GPU: where the kernel records its events; else null
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
   RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
 };
 
 // A wait for the peers in `pending` that has read the clock also reads the abort words of its region's header,
-// with `load` (the host's and the kernel's atomic loads differ): the peers', then its own rank's (written by its
-// own host, layout.h), since a peer's own word says more than our watchdog's (a peer that aborted may have ended
-// since). Ended processes (kPeersExited) end the wait only if it waits for one of them.
+// with `load` (the host's and the kernel's atomic loads differ), each only once whole (abort_whole(), layout.h):
+// the peers', then its own rank's (written by its own host, layout.h), since a peer's own word says more than our
+// watchdog's (a peer that aborted may have ended since). Ended processes (kPeersExited) end the wait only if it
+// waits for one of them.
 // Returns the fault to record, or 0 to keep waiting.
 template <class Load>
 ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, uint32_t pending, Load load) {
+  const auto whole = [&](int source) {
+    const uint64_t w = load(abort_word(a.local, source));
+    return w != 0 && abort_whole(w, load(abort_check(a.local, source))) ? w : 0;
+  };
   for (int p = 0; p < kMaxRanks && p < a.world; ++p)
     if (p != a.rank)
-      if (const uint64_t w = load(abort_word(a.local, p))) return peer_aborted(p, w);
-  const uint64_t own = load(abort_word(a.local, a.rank));
+      if (const uint64_t w = whole(p)) return peer_aborted(p, w);
+  const uint64_t own = whole(a.rank);
   if (fault_kind(own) != Fault::kPeersExited) return own;
   const uint32_t gone = fault_detail(own) & pending;
   for (int p = 0; p < kMaxRanks; ++p)

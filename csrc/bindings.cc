@@ -53,6 +53,10 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<rocenante::OnFault>(m, "OnFault")
       .value("raise_", rocenante::OnFault::kRaise)
       .value("abort", rocenante::OnFault::kAbort);
+  py::enum_<rocenante::Signal>(m, "Signal", "how a network peer's delivery tells the reducer it is whole")
+      .value("flag", rocenante::Signal::kFlag)
+      .value("completion", rocenante::Signal::kCompletion)
+      .value("flag_first", rocenante::Signal::kFlagFirst);
   Communicator::set_interrupt_check(python_signal_pending);
 
 #ifdef ROCENANTE_WITH_CUDA
@@ -78,6 +82,8 @@ PYBIND11_MODULE(_C, m) {
     uint32_t header[rocenante::kHeaderBytes / sizeof(uint32_t)];
     return size_t(rocenante::call_word(header, buffer, source) - header) * sizeof(uint32_t);
   }, py::arg("buffer"), py::arg("source"));
+  wire.def("arrival_flag_offset", &rocenante::arrival_flag_offset, py::arg("buffer"), py::arg("source"));
+  wire.attr("no_epoch") = rocenante::kNoEpoch;
   wire.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
     return rocenante::RegionLayout{capacity_bytes, world}.area_offset(buffer, receiver, source);
   }, py::arg("capacity_bytes"), py::arg("world"), py::arg("buffer"), py::arg("receiver"), py::arg("source"));
@@ -99,16 +105,16 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
                        rocenante::OnFault on_fault, rocenante::Net net,
                        const std::vector<std::tuple<std::string, int, int, int, int>>& rdma_paths, uint32_t first_call,
-                       double proxy_spin_s) {
+                       double proxy_spin_s, rocenante::Signal signal) {
              std::vector<rocenante::IbPath> paths;
              for (const auto& [dev, port, gid, tc, sl] : rdma_paths) paths.push_back({dev, port, gid, tc, sl});
              return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call,
-                                     proxy_spin_s);
+                                     proxy_spin_s, signal);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
            py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int, int, int>>{}, py::arg("first_call") = 1,
-           py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS)
+           py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS, py::arg("signal") = rocenante::Signal::kFlag)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       // Over the TCP wire connecting waits for the peers (up to 30 s): other Python threads keep running.
       .def("connect", &Communicator::connect, py::arg("handles"), py::call_guard<py::gil_scoped_release>())

@@ -52,12 +52,23 @@ struct Config {
   uint64_t capacity_bytes;
   int32_t on_gpu;
   uint32_t first_epoch;  // the number of the first call (1; near the wrap in tests of it)
+  uint32_t signal;       // Signal (transport.h)
+  uint32_t zero;
 };
-static_assert(sizeof(Config) == 24, "Config travels as raw bytes: no implicit padding");
+static_assert(sizeof(Config) == 32, "Config travels as raw bytes: no implicit padding");
 static_assert(sizeof(Config) == kConfigBytes, "communicator.h says where the identity starts");
 
-Config config_of(int world, size_t capacity_bytes, int device, uint32_t first_epoch) {
-  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, first_epoch};
+Config config_of(int world, size_t capacity_bytes, int device, uint32_t first_epoch, Signal signal) {
+  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, first_epoch, uint32_t(signal), 0};
+}
+
+const char* signal_name(uint32_t signal) {
+  switch (Signal(signal)) {
+    case Signal::kFlag: return "flag";
+    case Signal::kCompletion: return "completion";
+    case Signal::kFlagFirst: return "flag first (a test's)";
+  }
+  return "?";
 }
 
 // A protocol magic as its four characters ("ROC2"), or in hex when they are not all printable.
@@ -134,15 +145,16 @@ std::string parse_handle(int p, const std::string& handle, const Config& mine, I
     ROCENANTE_THROW(Error, rank + " published a truncated handle of " + std::to_string(handle.size()) + " bytes");
   Config theirs{};
   std::memcpy(&theirs, handle.data(), sizeof(theirs));
-  if (theirs.first_epoch >= kEpochPeriod || (theirs.on_gpu != 0 && theirs.on_gpu != 1))
+  if (theirs.first_epoch >= kEpochPeriod || (theirs.on_gpu != 0 && theirs.on_gpu != 1) ||
+      theirs.signal > uint32_t(Signal::kFlagFirst) || theirs.zero != 0)
     ROCENANTE_THROW(Error, rank + " published a malformed configuration");
+  const auto describe = [](const Config& c) {
+    return "world " + std::to_string(c.world) + ", capacity " + std::to_string(c.capacity_bytes) + " bytes, " +
+           (c.on_gpu ? "GPU" : "CPU") + ", first call " + std::to_string(c.first_epoch) + ", network signal " +
+           signal_name(c.signal);
+  };
   if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0)
-    ROCENANTE_THROW(Error, rank + " is configured differently: world " + std::to_string(theirs.world) + ", capacity " +
-                               std::to_string(theirs.capacity_bytes) + " bytes, " + (theirs.on_gpu ? "GPU" : "CPU") +
-                               ", first call " + std::to_string(theirs.first_epoch) + "; this rank: world " +
-                               std::to_string(mine.world) + ", capacity " + std::to_string(mine.capacity_bytes) +
-                               " bytes, " + (mine.on_gpu ? "GPU" : "CPU") + ", first call " +
-                               std::to_string(mine.first_epoch));
+    ROCENANTE_THROW(Error, rank + " is configured differently: " + describe(theirs) + "; this rank: " + describe(mine));
   std::memcpy(&peer, handle.data() + sizeof(Config), sizeof(Identity));
   if (peer.pid <= 0 || peer.pid > kMaxPid)
     ROCENANTE_THROW(Error, rank + " published an impossible process id " + std::to_string(peer.pid));
@@ -213,9 +225,10 @@ void Communicator::refuse_in_forked_child() const {
 }
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s)
+                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s,
+                           Signal signal)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
-      layout_{capacity_bytes, world}, first_epoch_(first_epoch),
+      layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kDirect ? Signal::kFlag : signal),
       issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch), pidfds_(world, -1),
       creator_pid_(getpid()),
       forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
@@ -239,6 +252,8 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
                                          std::to_string(kEpochPeriod - 1));
   if (net != Net::kDirect && net != Net::kIb && net != Net::kTcp)
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
+  if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
+    ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
@@ -249,7 +264,8 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (net == Net::kDirect) {
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
-    std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths) : make_tcp_wire(rank, layout_);
+    std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths, signal_)
+                                                 : make_tcp_wire(rank, layout_, signal_);
     transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), kernel_.get(), timeline_.get(), proxy_spin_s);
     network_ = ((1u << world) - 1) & ~(1u << rank);
   }
@@ -269,7 +285,7 @@ Communicator::~Communicator() { close(); }
 
 std::string Communicator::local_handle() const {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_);
+  const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
   const Identity me{getpid(), process_start_time(getpid())};
   return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) +
          std::string(reinterpret_cast<const char*>(&me), sizeof(me)) + transport_->local_handle();
@@ -279,7 +295,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (int(handles.size()) != world_)
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
-  const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_);
+  const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
   std::vector<std::string> transport_handles(world_);
   std::vector<Identity> peers(world_);
   for (int p = 0; p < world_; ++p) {
@@ -331,6 +347,7 @@ AllReduceArgs Communicator::call_args(DType dtype, ReduceOp op) const {
   a.network = network_;
   a.stores = stores_;
   a.mailbox = transport_->mailbox();
+  a.arrivals = transport_->arrivals();
   a.timeline = device_timeline_;
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
   return a;

@@ -29,10 +29,11 @@ enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 enum class Net : uint32_t { kDirect = 0, kIb = 1, kTcp = 2 };
 
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
-// CPU or GPU), the process's identity (pid, start time), then the transport's part (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4336;  // "ROC6": bump when the protocol or the handle changes
-constexpr size_t kConfigBytes = 24;
-constexpr size_t kHandleHeaderBytes = 40;
+// CPU or GPU, first call, network signal), the process's identity (pid, start time), then the transport's part
+// (communicator.cc).
+constexpr uint32_t kConfigMagic = 0x524f4337;  // "ROC7": bump when the protocol or the handle changes
+constexpr size_t kConfigBytes = 32;
+constexpr size_t kHandleHeaderBytes = 48;
 
 class Communicator {
  public:
@@ -43,9 +44,10 @@ class Communicator {
   // device < 0: CPU memory; otherwise the CUDA device ordinal. net: how every peer is reached; Net::kIb takes
   // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
   // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
+  // signal: how a network peer's delivery tells the reducer it is whole (transport.h); unused without one.
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
                Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
-               double proxy_spin_s = kDefaultProxySpinS);
+               double proxy_spin_s = kDefaultProxySpinS, Signal signal = Signal::kFlag);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -154,6 +156,7 @@ class Communicator {
   OnFault on_fault_;
   RegionLayout layout_;
   uint32_t first_epoch_;
+  Signal signal_;  // of the network path; Signal::kFlag when every peer is direct (Config)
   uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
   uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
   std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into

@@ -350,7 +350,7 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
   // Every peer's call word first: no output before each one says the peer makes this very call. A network
   // peer's words are read only once its delivery of this call has arrived whole (layout.h, Mailbox).
   const auto call_of = [&](int s) {
-    if ((a.network & (1u << s)) && __atomic_load_n(&a.mailbox->arrived[buffer][s], __ATOMIC_ACQUIRE) != epoch)
+    if ((a.network & (1u << s)) && __atomic_load_n(a.arrivals + buffer * kMaxRanks + s, __ATOMIC_ACQUIRE) != epoch)
       return kEmpty;
     return load_word(call_word(a.local, buffer, s));
   };

@@ -3,8 +3,9 @@
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
 // Region of rank r:  header | buffer[3] x peer area[world - 1] x capacity_bytes
-//   header:  abort[world] (u64, bytes 0..63) | call[b][world] (u32, buffer b's from byte 128 + 128 b) | padding
-//            to 512 bytes (kHeaderBytes)
+//   header:  abort[world] ({u64 word, u64 check}, bytes 0..127) | flag[b][world] (u32, from byte 128: network peers' arrival
+//            flags, below) | call[b][world] (u32, buffer b's from byte 256 + 128 b) | padding to 1024 bytes
+//            (kHeaderBytes)
 //   area (b, s): where source s != r writes its part of a call that uses buffer b (area_offset());
 //   written by: source s writes only abort[s], call[b][s] and area (b, s) of every peer's region (it pushes);
 //               r's own host writes abort[r] (a fault only it knows of: a peer's process ended, a call it
@@ -12,7 +13,8 @@
 //   read by:    rank r reads call[b][*] and area (b, *) of its own region, and resets them (below).
 //
 // The empty word kEmpty = 0x80000000 fills every call word and area word that holds nothing of a current call
-// (the region starts so, abort words start at 0). A rank waits for a 32-bit word until it is not kEmpty.
+// (the region starts so, abort words at 0, flags at kNoEpoch). A rank waits for a 32-bit word until it is not
+// kEmpty.
 //
 // Formats (format_of(dtype)):
 //   kLamport (float32, float16, bfloat16): the payload itself, at its own byte offsets (16-byte units, the last
@@ -56,8 +58,9 @@
 //   - Shared memory and CUDA IPC stores are placed exactly once. Over RDMA a retransmitted packet can repeat a
 //     write only until the sender's work request completes (a later duplicate is acknowledged, not executed),
 //     the sender waits for the completion of its writes of call e before it posts those of call e + 1, and
-//     the receiver reads call e's words only after the sender's signal of call e: the argument in full, with
-//     its sources, is beside the transport (csrc/transport/ibverbs.cc).
+//     the receiver reads call e's words only after the sender's signal of call e (its flag, or its completion:
+//     below, Mailbox): the argument in full, with its sources, is beside the transport
+//     (csrc/transport/ibverbs.cc).
 // That argument needs calls to execute in the order every rank issued them: the communicator orders each call
 // after the previous one whatever stream or thread issues it (communicator.cc).
 //
@@ -66,6 +69,15 @@
 // the same transport as the data. Every wait polls its own header at each timer read, so a survivor stops
 // waiting for a peer known to be gone instead of running into the timeout. Abort words are never cleared:
 // a faulted communicator stays faulted, and every output it does not compute is poisoned (poison_word()).
+// A reader decodes the cause, so it must read a word whole, which no wire promises for 8 bytes (an RDMA write
+// may land byte by byte; the TCP wire places an abort slot in 4-byte quarters, in random order). So each abort
+// word travels with its check word, its bitwise complement, in one slot, and a reader takes the word only when
+// it is nonzero and equals the complement of the check (abort_whole()). Bytes land whole and a slot starts as
+// zeros; a byte of the word that has not landed reads 0, and matches the check's byte only if that byte was 0
+// anyway (the check's byte is then 0, complement 0xFF, or landed, complement the written byte): whatever order or
+// pieces the slot's bytes come in, a word that passes is the word written. A wire writes a peer's slot once (the
+// proxy's guard, proxy.cc); every other writer stores each 8-byte word whole, so no reader assembles a word out
+// of two writes.
 #pragma once
 
 #include <cstddef>
@@ -187,15 +199,19 @@ ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (fl
 // (wire.cuh, load_polled).
 constexpr size_t kLineBytes = 128;
 
-// The region header: the abort words (written by the peers and this rank's host, never by its GPU), then the
-// call words of each buffer on a line of their own (the GPU resets the previous buffer's while a peer's next
-// call word may be landing in the current one's), then padding so that the areas start on a 512-byte boundary
-// (a warp's 16-byte stores then cover whole sectors).
-constexpr size_t kHeaderBytes = 512;
-constexpr size_t kCallWordsOffset = kLineBytes;
-static_assert(kMaxRanks * sizeof(uint64_t) <= kCallWordsOffset && kMaxRanks * sizeof(uint32_t) <= kLineBytes &&
-                  kCallWordsOffset + kBuffers * kLineBytes <= kHeaderBytes,
-              "the header holds the abort words and a line of call words per buffer");
+// The region header: the abort words (written by the peers and this rank's host, never by its GPU), the
+// arrival flags (written by network peers' wires, Mailbox), then the call words of each buffer on a line of
+// their own (the GPU resets the previous buffer's while a peer's next call word may be landing in the current
+// one's), then padding so that the areas start on a 512-byte boundary (a warp's 16-byte stores then cover
+// whole sectors).
+constexpr size_t kHeaderBytes = 1024;
+constexpr size_t kArrivalFlagsOffset = kLineBytes;
+constexpr size_t kCallWordsOffset = 2 * kLineBytes;
+static_assert(kMaxRanks * 2 * sizeof(uint64_t) <= kArrivalFlagsOffset &&
+                  kBuffers * kMaxRanks * sizeof(uint32_t) <= kCallWordsOffset - kArrivalFlagsOffset &&
+                  kMaxRanks * sizeof(uint32_t) <= kLineBytes && kCallWordsOffset + kBuffers * kLineBytes <= kHeaderBytes &&
+                  kHeaderBytes % 512 == 0,
+              "the header holds the abort words, the flags, and a line of call words per buffer");
 
 struct RegionLayout {
   size_t capacity_bytes;  // bytes of one area: a multiple of kCapacityGranule
@@ -211,19 +227,33 @@ struct RegionLayout {
     return kHeaderBytes + (size_t(buffer) * size_t(world - 1) + size_t(index)) * capacity_bytes;
   }
 };
-// A region is addressed as 32-bit words (the unit of kEmpty); these name its parts.
-ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinterpret_cast<uint64_t*>(region) + source; }
+// A region is addressed as 32-bit words (the unit of kEmpty); these name its parts. An abort slot is {word,
+// check} (Abort words, above).
+constexpr size_t kAbortSlotBytes = 2 * sizeof(uint64_t);
+ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinterpret_cast<uint64_t*>(region) + 2 * source; }
+ROCENANTE_HD uint64_t* abort_check(uint32_t* region, int source) { return abort_word(region, source) + 1; }
+// Whether an abort slot read as (word, check) holds a word, whole (Abort words, above).
+ROCENANTE_HD bool abort_whole(uint64_t word, uint64_t check) { return word != 0 && word == ~check; }
 ROCENANTE_HD size_t call_word_offset(int buffer, int source) {
   return kCallWordsOffset + size_t(buffer) * kLineBytes + size_t(source) * sizeof(uint32_t);
 }
 ROCENANTE_HD uint32_t* call_word(uint32_t* region, int buffer, int source) {
   return region + call_word_offset(buffer, source) / sizeof(uint32_t);
 }
+// The arrival flags as an array [buffer][source] of u32, kNoEpoch until written (Mailbox says by whom).
+ROCENANTE_HD size_t arrival_flag_offset(int buffer, int source) {
+  return kArrivalFlagsOffset + (size_t(buffer) * kMaxRanks + size_t(source)) * sizeof(uint32_t);
+}
+ROCENANTE_HD uint32_t* arrival_flags(uint32_t* region) { return region + kArrivalFlagsOffset / sizeof(uint32_t); }
 ROCENANTE_HD uint32_t* area(uint32_t* region, const RegionLayout& l, int buffer, int receiver, int source) {
   return region + l.area_offset(buffer, receiver, source) / sizeof(uint32_t);
 }
-// The value word `index` of a fresh region holds: 0 in the abort words, kEmpty everywhere else.
-ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffset / sizeof(uint32_t) ? 0u : kEmpty; }
+// The value word `index` of a fresh region holds: 0 in the abort words, kNoEpoch in the arrival flags' line,
+// kEmpty everywhere else.
+ROCENANTE_HD uint32_t initial_word(size_t index) {
+  if (index < kArrivalFlagsOffset / sizeof(uint32_t)) return 0u;
+  return index < kCallWordsOffset / sizeof(uint32_t) ? kNoEpoch : kEmpty;
+}
 
 // Network transports: the reducer (kernel or host loop) and its proxy thread (transport/proxy.cc) meet in a
 // mailbox of host memory (mapped for the kernel). The reducer writes into an image of each network peer's region,
@@ -237,21 +267,30 @@ ROCENANTE_HD uint32_t initial_word(size_t index) { return index < kCallWordsOffs
 //     word passes for data. A reducer that found its communicator faulted sends nothing and does not ring (nor
 //     does a launch of which any thread sent nothing); its peers, waiting for a delivery that never comes, stop
 //     at its abort word, which the host sends (Communicator::current_fault), and name its root cause.
-//   arrived[b][s] = epoch of the last call using buffer b whose delivery from network peer s has arrived whole,
-//     stored by the proxy with release; the reducer reads s's call word and area of call e only after it read
-//     (acquire; the kernel: a refetching load, then a fence, wire.cuh) arrived[e % 3][s] == e. A wire guarantees
-//     neither placement order nor word atomicity while a delivery lands (transport.h); this wait is why neither
-//     is needed.
+// The reducer reads network peer s's call word and area of call e (buffer b = e % 3) only after it read the
+// arrival word of (b, s) equal to e (acquire; the kernel: a refetching load, then a fence, wire.cuh). Which word
+// that is, the signal says (Signal, transport.h; every rank alike):
+//   flag (default): flag[b][s] in the reducer's own region, written with e by s's wire after call e's call word
+//     and area, over the same connection (an RDMA reliable-connected queue pair, which places its writes in
+//     order: ibverbs.cc says on what grounds; the TCP wire places it after the delivery's data). No host thread
+//     of the receiving rank takes part.
+//   completion: the mailbox's arrived[b][s], stored with release by this rank's proxy once the wire reported
+//     s's delivery whole (a receive completion after the data: for fabrics that place writes out of order).
+// Each arrival word of buffer b holds, one after another, the epochs of the calls that used b (e, e + 3, ...)
+// and is never reset: before call e's delivery is whole it holds e - 3 or kNoEpoch (its start), never e. A wire
+// guarantees neither placement order among a delivery's data nor word atomicity while it lands (transport.h);
+// this wait is why neither is needed. No stale delivery after a fault follows: a call's flag is posted only
+// after its call word and area, and only for a call the reducer rang, that is, wrote whole.
 // One slot per buffer, since neither side may overwrite a value the other has not taken yet: a rank can ring
 // call e + 1 before its proxy took call e (the peers' data of call e lets this rank finish call e, whether or not
 // ours has left), but not call e + 2 (the peers send call e + 1 only once they have our data of call e); in the
-// same way a peer's call e + 1 may arrive before this rank's reducer read arrived[] of call e, its call e + 2
-// cannot. The proxy counts calls exactly as the reducers do (every call goes to every peer, one delivery each),
+// same way a peer's call e + 1 may arrive before this rank's reducer read the arrival word of call e, its call
+// e + 2 cannot. The proxy counts calls exactly as the reducers do (every call goes to every peer, one delivery each),
 // so the n-th delivery it takes from a peer is that peer's call of the n-th epoch.
 // The ring (the reducer's) and the arrival words (the proxy's) lie on separate lines (kLineBytes).
 struct Mailbox {
   alignas(kLineBytes) uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
-  alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks];  // kNoEpoch until the buffer's first delivery from that peer
+  alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks];  // completion signal only; laid out as the flags
 };
 ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
 

@@ -26,7 +26,8 @@ enum TimelineEvent : int {
   kKernelEnd,       // thread 0 of CTA 0 wrote its last output chunk
   kProxyRing,       // the proxy took the doorbell and posted the call's deliveries
   kProxyDelivered,  // ... and the wire reported them landed
-  kProxyArrival,    // the proxy stored the arrival word of a peer's delivery of this call (the last peer's)
+  kProxyArrival,    // the proxy saw a peer's delivery of this call arrive (the last peer's): its flag, or with
+                    // the completion signal the arrival word the proxy stored
   kTimelineEvents
 };
 constexpr int kTimelineSlots = 4096;  // calls kept; call (epoch) e is in slot e % kTimelineSlots

@@ -94,7 +94,7 @@ __device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint6
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p)
     if (p < a.world && p != a.rank && !(a.network & (1u << p)))
-      store_release_sys(abort_word(a.peer[p], a.rank), abort_from(fault, epoch));
+      store_abort_sys(a.peer[p], a.rank, abort_from(fault, epoch));
 }
 
 // DeviceState::sent counts each CTA once, plus kUnsent for a CTA of which some thread sent nothing.
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
           // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
           const bool network = a.network & (1u << p);
           if (network && !(calls_seen & (1u << p))) {
-            if (load_polled(&a.mailbox->arrived[buffer][p], true) != epoch) continue;
+            if (load_polled(a.arrivals + buffer * kMaxRanks + p, true) != epoch) continue;
             fence_acquire_sys();
           }
           if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p), network);

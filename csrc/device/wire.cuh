@@ -4,8 +4,9 @@
 // spans: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
 // and abort words: seen by the host and by peer GPUs (system scope); the release orders what a thread wrote
 // before them (e.g. the record's epoch) first. Mailbox (network peers, layout.h): the ring is stored with
-// release at system scope, since the proxy thread on the host is the other side; the arrival words, like every
-// word a host thread or NIC writes, are loaded with .cv and fenced once they match (load_polled).
+// release at system scope, since the proxy thread on the host is the other side; the arrival words (a peer's
+// flag in our region, or the mailbox's), like every word a host thread or NIC writes, are loaded with .cv and
+// fenced once they match (load_polled).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,7 @@ __device__ __forceinline__ void store_line(Line* p, uint32_t d0, uint32_t d1, ui
 }
 
 // Loads from our own region; volatile so that every poll reads memory again instead of a cached copy. Words that
-// a host thread or a NIC writes into mapped host memory (`host`: a network peer's call word and area, the
+// a host thread or a NIC writes into mapped host memory (`host`: a network peer's call word, area and flag, the
 // mailbox's arrival words, abort words in a host region) are loaded with the .cv cache operator instead, which
 // takes a cached copy of a system-memory line as stale and fetches the line again (PTX ISA, "Cache Operators").
 // Volatile and acquire loads did not always: on one H200, two ranks sharing it over the TCP wire, 1,000 iterations
@@ -121,6 +122,11 @@ __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
 }
 __device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Writes `word` and its check into abort slot `source` of `region` (layout.h, Abort words), each whole.
+__device__ __forceinline__ void store_abort_sys(uint32_t* region, int source, uint64_t word) {
+  store_release_sys(abort_word(region, source), word);
+  store_release_sys(abort_check(region, source), ~word);
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -57,7 +57,7 @@ class CudaIpcTransport final : public Transport {
       fill_initial(regions_[rank_], region_bytes_);
       ROCENANTE_CHECK_CUDA(cudaIpcGetMemHandle(&handle_, p));
       ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
-      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), sizeof(uint64_t), cudaHostAllocDefault));
+      ROCENANTE_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&abort_staging_), 2 * sizeof(uint64_t), cudaHostAllocDefault));
     } catch (...) {
       release();  // a failed constructor runs no destructor: nothing it got may stay allocated
       throw;
@@ -115,8 +115,12 @@ class CudaIpcTransport final : public Transport {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    *abort_staging_ = word;
-    if (cudaMemcpyAsync(abort_word(regions_[peer], rank_), abort_staging_, sizeof(word), cudaMemcpyHostToDevice,
+    abort_staging_[0] = word;
+    abort_staging_[1] = ~word;
+    // Two copies of one word each, so that each lands whole (layout.h, Abort words).
+    if (cudaMemcpyAsync(abort_word(regions_[peer], rank_), &abort_staging_[0], sizeof(word), cudaMemcpyHostToDevice,
+                        abort_stream_) == cudaSuccess &&
+        cudaMemcpyAsync(abort_check(regions_[peer], rank_), &abort_staging_[1], sizeof(word), cudaMemcpyHostToDevice,
                         abort_stream_) == cudaSuccess)
       cudaStreamSynchronize(abort_stream_);
     cudaSetDevice(previous);

@@ -8,18 +8,22 @@
 //            never disagree about an offset's content: call words sit at the same offset in every region, and
 //            a rank's area sits at one of two offsets (below or above the receiver, layout.h), each written with
 //            the same bytes for every peer that uses it;
-//   staging (one 8-byte abort word per peer, local access only).
+//   staging (one 16-byte abort slot per peer, local access only).
 // No relaxed ordering on any registration: the protocol needs no order among a call's writes (below), and
 // leaving it off keeps PCIe ordering the same as without RDMA for anything that may come to rely on it.
 //
 // Data path, per call (driven by the proxy, proxy.cc): the reducer fills the image, deliver(p, offset, bytes)
 // posts one RDMA WRITE of image[offset, offset + bytes) to the same offset of p's region for each peer,
-// signal() posts one zero-length RDMA WRITE WITH IMMEDIATE per peer (its signal, carrying a per-peer sequence
-// number), and delivered() polls for the completions of all of them. The receiver reads a peer's bytes only after that signal's receive
-// completion: RC executes a QP's requests in order and reports a receive completion only once its message and
-// every earlier one have been placed, whereas the words themselves may land in pieces (SoftRoCE under an
-// emulated CPU copies byte by byte: a reader polling the words saw a flag half written). Abort words are 8-byte
-// RDMA WRITEs from staging[p] to abort[rank] of p's region, without a signal: their readers only ask "nonzero?".
+// signal(e) posts one signal per peer after them on the same queue pair, and delivered() polls for the
+// completions of all of them. The signal (Signal, transport.h):
+//   flag (default): a 4-byte inline RDMA WRITE of e into flag[e % 3][rank] of p's region; p's reducer polls that
+//     flag and reads the data once it reads e (layout.h, Mailbox): no receive, no host thread at p.
+//   completion: a zero-length RDMA WRITE WITH IMMEDIATE carrying a per-peer sequence number; p's proxy takes
+//     its receive completion and tells its reducer through the mailbox.
+// The words themselves may land in pieces (SoftRoCE under an emulated CPU copies byte by byte: a reader polling
+// them saw a word half written), so a receiver reads a peer's bytes only after its signal. Abort words are
+// 16-byte RDMA WRITEs of the slot {word, check} from staging[p] to abort[rank] of p's region, without a signal:
+// a reader takes the word once the slot is whole (layout.h, Abort words).
 //
 // Why no stale, late or repeated RDMA write is ever taken for current data. Stated for protocol v2 (3 rotating
 // buffers; in call e a sender writes buffer e%3 of each peer's region and nothing else but abort words, and a
@@ -36,20 +40,29 @@
 //      "SEND. Ack again and cleanup. C9-105." for SEND and RDMA WRITE alike). So nothing of call e' lands at r
 //      after call e' completed at p, and r's reset of buffer (e-1)%3 during call e is final until p's call
 //      e+2, the next to write that buffer, which p posts only after its call e+1 completed (1).
-//   4. r reads p's words of call e only after p's signal of call e arrived (a receive completion, generated
-//      after the message and, by 2, all earlier ones were placed; NCCL's net_ib signals the same way, a
-//      0-byte RDMA_WRITE_WITH_IMM after the data). Since p writes buffer e%3 only in call e, and by 3 no
-//      older write lands there after r's reset, every non-empty word r reads there is p's call-e word, whole.
-//      The signal's immediate is p's count of signals to r; r checks it, so a lost or repeated signal is a
-//      fault, never a shifted call.
+//   4. r reads p's words of call e only after p's signal of call e arrived. Completion: a receive completion,
+//      generated after the message and, by 2, all earlier ones were placed (NCCL's net_ib signals the same way,
+//      a 0-byte RDMA_WRITE_WITH_IMM after the data); its immediate is p's count of signals to r, which r checks,
+//      so a lost or repeated signal is a fault, never a shifted call. Flag: r reads flag[e%3][p] == e in its
+//      memory. p writes e there only after call e's data on the same queue pair (and only for a call its
+//      reducer wrote whole, layout.h); a flag of buffer e%3 is e - 3 or older until then (never e), and by 1 and
+//      3 no older flag write lands after it. That the data is in r's memory once the flag is rests on
+//      placement in order, which the IB specification does not promise for RDMA WRITE data (it orders
+//      execution, 2) and which this path relies on, as the real RoCEnante (b12x, and FlashInfer's copy of it)
+//      does: a NIC that places one queue pair's writes in order (ConnectX does, unless out-of-order placement
+//      or adaptive routing is enabled on the fabric), and PCIe posted writes that do not pass each other (PCI
+//      Express Base Specification, transaction ordering rules: only writes with the Relaxed Ordering attribute
+//      may pass; no registration here asks for it). Where either fails, ROCENANTE_IB_SIGNAL=completion.
+//      Since p writes buffer e%3 only in call e, and by 3 no older write lands there after r's reset, every
+//      non-empty word r reads there is p's call-e word, whole.
 //   5. Packets of an earlier communicator's queue pairs: a new queue pair starts at a random 24-bit PSN and
 //      accepts only the PSN it expects; a stray old packet matching it by chance still carries the old
 //      region's R_Key, which the new registration does not accept (a remote access error: a fault, not data).
 // What the protocol does NOT get from RDMA: atomicity of any word while a write lands (SoftRoCE under an
 // emulated CPU places byte by byte, and the IB specification promises nothing for RDMA WRITE placement), and
-// any order between writes of one call. Point 4 is why neither is needed here; a GPU polling RDMA-written words
-// directly has to get them from somewhere else: the proxy's arrival word (layout.h, Mailbox) is that.
-// SoftRoCE (rxe) places data in order in software: tests on it cannot falsify an ordering assumption.
+// any order among a call's data writes. Point 4 is why neither is needed here. SoftRoCE (rxe) places data in
+// order in software: tests on it cannot falsify the flag's ordering assumption; the TCP wire's mutation check
+// (a flag placed before the data, Signal::kFlagFirst) shows that the tests would catch its failure.
 #include <dlfcn.h>
 #include <infiniband/verbs.h>
 #include <arpa/inet.h>
@@ -138,7 +151,7 @@ static_assert(kRetryBudgetS <= kLivenessBudgetS, "a probe fails within the budge
 // The NIC reports every posted write within the retry budget; waiting four times as long before calling the
 // peer unreachable only guards against a NIC or driver that stopped reporting.
 constexpr double kCompletionWaitS = 4 * kRetryBudgetS;
-// A signal (WRITE WITH IMMEDIATE) takes one of the receiver's posted receives; one whose proxy stopped on a fault
+// A completion signal (WRITE WITH IMMEDIATE) takes one of the receiver's posted receives; one whose proxy stopped on a fault
 // never posts more, while its queue pairs live. 6 retries 163.84 ms apart (timer code 28; 7 means "forever"):
 // the signal fails after about 7 x 164 ms = 1.15 s (IBV_WC_RNR_RETRY_EXC_ERR), inside the retry budget.
 constexpr uint8_t kRnrTimer = 28;
@@ -213,9 +226,12 @@ struct PeerLink {
 
 class IbverbsWire final : public Wire {
  public:
-  IbverbsWire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths)
-      : rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), links_(layout.world) {
+  IbverbsWire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths, Signal signal)
+      : Wire(signal), rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), links_(layout.world) {
     const Verbs& v = verbs();
+    if (signal != Signal::kFlag && signal != Signal::kCompletion)
+      ROCENANTE_THROW(InvalidArgument, "RDMA signals with a flag or a completion, not mode " +
+                                           std::to_string(uint32_t(signal)) + " (a TCP wire's test mode)");
     if (int(paths.size()) != world_)
       ROCENANTE_THROW(InvalidArgument, "expected one RDMA path per rank (" + std::to_string(world_) + "), got " +
                                            std::to_string(paths.size()));
@@ -227,7 +243,7 @@ class IbverbsWire final : public Wire {
                                              std::to_string(paths[p].service_level) + ": use 0..255 and 0..15");
     const size_t page = 4096;
     staging_offset_ = 2 * bytes_;
-    block_bytes_ = (staging_offset_ + kMaxRanks * sizeof(uint64_t) + page - 1) / page * page;
+    block_bytes_ = (staging_offset_ + kMaxRanks * kAbortSlotBytes + page - 1) / page * page;
     void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     block_ = static_cast<char*>(block);
@@ -258,6 +274,7 @@ class IbverbsWire final : public Wire {
         init.cap.max_recv_wr = kRecvDepth;  // receives take no data: a signal carries only its immediate
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
+        init.cap.max_inline_data = sizeof(uint32_t);  // a flag
         init.qp_type = IBV_QPT_RC;
         l.qp = v.create_qp(d.pd, &init);
         if (l.qp == nullptr) fail_errno("create a queue pair on " + d.name, p);
@@ -268,7 +285,7 @@ class IbverbsWire final : public Wire {
         a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
         if (const int err = v.modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
           fail_code("move the queue pair to INIT", p, err);
-        for (uint32_t i = 0; i < kRecvDepth; ++i)
+        for (uint32_t i = 0; signal == Signal::kCompletion && i < kRecvDepth; ++i)
           if (const int err = post_receive(p)) fail_code("post a receive", p, err);
         l.local.qp_num = l.qp->qp_num;
         l.local.psn = rd() & kPsnMask;
@@ -360,18 +377,29 @@ class IbverbsWire final : public Wire {
     post_write(peer, block_ + bytes_ + offset, offset, bytes, uint64_t(peer) << 1);
   }
 
-  void signal() override {
+  void signal(uint32_t epoch) override {
     for (int p = 0; p < world_; ++p) {
       PeerLink& l = links_[p];
       if (!l.pending) continue;
       l.pending = false;
       ibv_send_wr wr{};
+      ibv_sge flag{};
       wr.wr_id = uint64_t(p) << 1;
-      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;  // zero bytes: only the immediate and its receive completion
       wr.send_flags = IBV_SEND_SIGNALED;
-      wr.imm_data = htonl(l.signals++);
-      wr.wr.rdma.remote_addr = l.remote.addr;
       wr.wr.rdma.rkey = l.remote.rkey;
+      if (signal_ == Signal::kFlag) {
+        flag.addr = reinterpret_cast<uintptr_t>(&epoch);  // inline: copied when posted
+        flag.length = sizeof(epoch);
+        wr.sg_list = &flag;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_RDMA_WRITE;
+        wr.send_flags |= IBV_SEND_INLINE;
+        wr.wr.rdma.remote_addr = l.remote.addr + arrival_flag_offset(buffer_of(epoch), rank_);
+      } else {
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;  // zero bytes: only the immediate and its receive completion
+        wr.imm_data = htonl(l.signals++);
+        wr.wr.rdma.remote_addr = l.remote.addr;
+      }
       post(p, wr);
     }
     signalled_ = std::chrono::steady_clock::now();
@@ -393,6 +421,7 @@ class IbverbsWire final : public Wire {
   }
 
   bool arrived(int peer, uint64_t& fault) override {
+    if (signal_ != Signal::kCompletion) return false;  // no receives: a failure shows in our writes' completions
     Device& d = devices_[links_[peer].device];
     ibv_wc wc[8];
     for (int n; (n = ibv_poll_cq(d.recv_cq, 8, wc)) != 0;) {
@@ -443,14 +472,15 @@ class IbverbsWire final : public Wire {
 
   void post_abort(int peer, uint64_t word) noexcept override {
     if (peer == rank_) {
-      __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
+      store_abort(local_region(), rank_, word);
       return;
     }
     if (links_[peer].qp == nullptr || links_[peer].remote.qp_num == 0) return;  // never connected
-    uint64_t* slot = reinterpret_cast<uint64_t*>(block_ + staging_offset_) + peer;
-    *slot = word;
+    uint64_t* slot = reinterpret_cast<uint64_t*>(block_ + staging_offset_) + 2 * peer;
+    slot[0] = word;
+    slot[1] = ~word;
     try {
-      post_write(peer, slot, size_t(rank_) * sizeof(uint64_t), sizeof(uint64_t), (uint64_t(peer) << 1) | 1);
+      post_write(peer, slot, size_t(rank_) * kAbortSlotBytes, kAbortSlotBytes, (uint64_t(peer) << 1) | 1);
     } catch (...) {
     }
     drain(devices_[links_[peer].device], kAbortDrainS);  // a peer that cannot be told times out instead
@@ -641,8 +671,9 @@ class IbverbsWire final : public Wire {
 
 const bool kWithIbverbs = true;
 
-std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths) {
-  return std::make_unique<IbverbsWire>(rank, layout, paths);
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths,
+                                        Signal signal) {
+  return std::make_unique<IbverbsWire>(rank, layout, paths, signal);
 }
 
 std::string verbs_status(uint32_t status) {

@@ -5,11 +5,13 @@
 //
 // The thread polls, in a loop, under one mutex (post_abort() from other threads takes it too):
 //   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and the span
-//            of its area in the image to every peer, signal(), then delivered() until true before taking e + 1
-//            (transport.h: a round's writes have landed before the next round's are posted — the stale-write
-//            argument of ibverbs.cc rests on it).
-//   receive: when arrived(p): arrived[e_p % 3][p] = e_p (release), consume(p), and e_p moves on to the next
-//            epoch (every call is delivered to every peer once, so p's n-th delivery is its n-th call's).
+//            of its area in the image to every peer, signal(e) (with Signal::kFlag, the flag that tells the
+//            peer's reducer), then delivered() until true before taking e + 1 (transport.h: a round's writes
+//            have landed before the next round's are posted — the stale-write argument of ibverbs.cc rests on it).
+//   receive: p's delivery of e_p is seen, by its flag reading e_p (kFlag: the reducer reads the same flag, the
+//            proxy only follows), or by arrived(p) (kCompletion: then arrived[e_p % 3][p] = e_p, release, for the
+//            reducer, and consume(p)); e_p moves on to the next epoch (every call is delivered to every peer once,
+//            so p's n-th delivery is its n-th call's).
 //   liveness: every kProbeInterval while the reducer's current call waits for a peer's delivery, probe(p)
 //            (transport.h), so that a peer whose host went down fails the wait within about kLivenessBudgetS.
 //   idle:    for spin_s after its last work it polls hot (the CPU's pause instruction between polls), then it
@@ -70,6 +72,7 @@ class Proxy final : public Transport {
       region_ = wire_->local_region();
       image_ = wire_->peer_region(rank == 0 ? 1 : 0);
       mapped_mailbox_ = mailbox_;
+      flags_ = arrival_flags(region_);  // the host's address, before region_ becomes the reducer's
       if (kernel_ != nullptr) {
         void* address = nullptr;
         mappings_[0] = kernel_->map_host(region_, layout_.region_bytes(), address);
@@ -79,6 +82,7 @@ class Proxy final : public Transport {
         mappings_[2] = kernel_->map_host(mailbox_, sizeof(Mailbox), address);
         mapped_mailbox_ = static_cast<Mailbox*>(address);
       }
+      arrivals_ = wire_->signal_mode() == Signal::kCompletion ? &mapped_mailbox_->arrived[0][0] : arrival_flags(region_);
     } catch (...) {
       release();
       throw;
@@ -96,16 +100,18 @@ class Proxy final : public Transport {
   uint32_t* local_region() const override { return region_; }
   uint32_t* peer_region(int) const override { return image_; }
   Mailbox* mailbox() const override { return mapped_mailbox_; }
+  const uint32_t* arrivals() const override { return arrivals_; }
 
   void post_abort(int peer, uint64_t word) noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
-    wire_->post_abort(peer, word);
+    tell(peer, word);
   }
 
  private:
   void run() {
     prctl(PR_SET_TIMERSLACK, kTimerSlackNs);
     const int world = layout_.world;
+    const bool completion = wire_->signal_mode() == Signal::kCompletion;
     uint32_t send = first_epoch_;  // the next epoch to send (the reducers count from the same first call)
     bool sending = false;
     uint32_t rung = kNoEpoch;  // the last epoch rung: the reducer's current call (kNoEpoch: none yet)
@@ -135,7 +141,7 @@ class Proxy final : public Transport {
             wire_->deliver(p, call_word_offset(buffer, rank_), sizeof(uint32_t));
             wire_->deliver(p, layout_.area_offset(buffer, p, rank_), size_t(ring >> 32));
           }
-          wire_->signal();
+          wire_->signal(send);
           note(timeline_, send, kProxyRing);
           sending = worked = true;
         }
@@ -153,10 +159,15 @@ class Proxy final : public Transport {
         for (int p = 0; p < world && fault == 0; ++p) {
           if (p == rank_ || closed[p]) continue;
           uint64_t failed = 0;
-          if (wire_->arrived(p, failed)) {
-            __atomic_store_n(&mailbox_->arrived[buffer_of(receive[p])][p], receive[p], __ATOMIC_RELEASE);
+          bool arrived = wire_->arrived(p, failed);  // kFlag: only a failure, read before the flag (transport.h)
+          const uint32_t* flag = flags_ + buffer_of(receive[p]) * kMaxRanks + p;
+          if (!completion) arrived = __atomic_load_n(flag, __ATOMIC_ACQUIRE) == receive[p];
+          if (arrived) {
+            if (completion) {
+              __atomic_store_n(&mailbox_->arrived[buffer_of(receive[p])][p], receive[p], __ATOMIC_RELEASE);
+              wire_->consume(p);
+            }
             note(timeline_, receive[p], kProxyArrival);
-            wire_->consume(p);
             receive[p] = next_epoch(receive[p]);
             worked = true;
           } else if (failed != 0 && !closed_connection(failed, closed)) {
@@ -177,9 +188,9 @@ class Proxy final : public Transport {
           if (closed[p] && rung != kNoEpoch && receive[p] == rung)
             fault = encode_fault(Fault::kTransport, uint32_t(p), kConnectionClosed);
         if (fault != 0) {
-          wire_->post_abort(rank_, fault);
+          tell(rank_, fault);
           for (int p = 0; p < world; ++p)
-            if (p != rank_ && !closed[p]) wire_->post_abort(p, abort_from(fault, send));
+            if (p != rank_ && !closed[p]) tell(p, abort_from(fault, send));
           return;
         }
       }
@@ -191,6 +202,14 @@ class Proxy final : public Transport {
         std::this_thread::sleep_for(kNap);
       }
     }
+  }
+
+  // Under mutex_: a peer's abort slot is written once, with this rank's first word for it, so that no reader
+  // assembles a word out of two writes (layout.h, Abort words); our own slot is host memory, stored whole.
+  void tell(int peer, uint64_t word) noexcept {
+    if (peer != rank_ && told_[peer]) return;
+    told_[peer] = true;
+    wire_->post_abort(peer, word);
   }
 
   // A connection that closed is recorded in `closed` (no failure by itself); true if `fault` was one.
@@ -222,8 +241,11 @@ class Proxy final : public Transport {
   Mailbox* mapped_mailbox_ = nullptr;  // the reducer's
   uint32_t* region_ = nullptr;         // the reducer's addresses of the wire's region and image
   uint32_t* image_ = nullptr;
+  const uint32_t* flags_ = nullptr;     // the region's arrival flags, host address, the thread's
+  const uint32_t* arrivals_ = nullptr;  // the arrival words the reducer waits for, its address
   std::shared_ptr<void> mappings_[3];  // a kernel's mappings of region, image and mailbox
   std::mutex mutex_;
+  bool told_[kMaxRanks] = {};  // peers whose abort slot was written (tell())
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

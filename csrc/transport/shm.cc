@@ -154,7 +154,7 @@ class ShmTransport final : public Transport {
   uint32_t* local_region() const override { return regions_[rank_]; }
   uint32_t* peer_region(int peer) const override { return regions_[peer]; }
   void post_abort(int peer, uint64_t word) noexcept override {
-    if (regions_[peer] != nullptr) __atomic_store_n(abort_word(regions_[peer], rank_), word, __ATOMIC_RELEASE);
+    if (regions_[peer] != nullptr) store_abort(regions_[peer], rank_, word);
   }
 
  private:

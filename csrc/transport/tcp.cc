@@ -11,8 +11,13 @@
 // and answers each signal with an ack on the same connection:
 //   write   bytes [offset, offset + bytes) of s's image, for the same offset of r's region: read whole and
 //           kept until the round's signal;
-//   signal  seq = s's count of signals to r before this one; r checks it, places the round's writes, acks;
-//   abort   an 8-byte abort word, placed at abort[s] of r's region with one atomic 64-bit store;
+//   signal  seq = s's count of signals to r before this one; r checks it, places the round's writes, acks.
+//           With Signal::kFlag it carries the flag (4 bytes for flag[b][s], transport.h), which r stores
+//           after placing the round, as one RC queue pair would place a write posted after the data (with
+//           kFlagFirst, a test's mutation, before);
+//   abort   the 16-byte abort slot {word, check} for abort[s] of r's region (layout.h, Abort words), placed as
+//           four 4-byte quarters in random order with a pause between them, so that a reader which decoded a
+//           word before its slot is whole meets torn ones;
 //   probe   nothing: r's TCP stack acknowledges it, as any segment (probe(), transport.h).
 // Invariants, for one sender s and one receiver r:
 //   1. An ack means: this signal and every write s queued for r before it were placed. TCP delivers a
@@ -22,17 +27,20 @@
 //      after it (transport.h), so nothing of a round lands after the sender's delivered() returned true, and
 //      TCP hands the application no duplicate: the stale-write argument ibverbs.cc makes for RDMA holds here,
 //      more simply.
-//   2. arrived(s) counts a signal only after its ack was written, so everything before it was placed. A round
-//      is placed in random order: all its writes (call word and area alike) cut into segments of 1 word to a
-//      page, shuffled together, stored 32-bit word by word, with yields in between. A reducer reads s's words
-//      only once the arrival word says the delivery arrived whole (layout.h, Mailbox); one that does not, or a
-//      format relying on placement order or on more than 32-bit atomicity, fails its tests here.
-//   3. Every header is hostile input: a write must lie inside the region past the abort words, 4-byte aligned;
-//      an abort must name s's own abort word; a signal must carry the next seq. Anything else ends s's
+//   2. kCompletion: arrived(s) counts a signal only after its ack was written, so everything before it was
+//      placed; kFlag: the flag is stored (release) after everything before it was placed. A round is placed in
+//      random order: all its writes (call word and area alike) cut into segments of 1 word to a page, shuffled
+//      together, then stored 16 bits at a time in two passes, one half of each word (chosen at random) in the
+//      first and the other in the second, with yields in between. A reducer reads s's words only once the
+//      arrival word says the delivery arrived whole (layout.h, Mailbox); one that does not, or a format relying
+//      on placement order or on word atomicity, fails its tests here.
+//   3. Every header is hostile input: a write must lie inside the region past the abort words and flags,
+//      4-byte aligned; an abort must name s's own abort word; a signal must carry the next seq, and a flag
+//      exactly when the signal is kFlag, in one of s's own three flag words. Anything else ends s's
 //      connection as kBadSignal, and so do writes adding up to more than a region in one round; nothing is ever
 //      placed out of bounds. A connection that breaks in the middle of a round places nothing of it.
-//   4. Abort words travel without a signal (their readers only ask "nonzero?"), ahead of queued messages not
-//      yet started.
+//   4. Abort slots travel without a signal (their readers check each slot whole, layout.h), ahead of queued
+//      messages not yet started.
 //   5. A connection joins only with the hello {magic, its sender's rank, the receiver's nonce}: the nonce is
 //      64 random bits published only through this communicator's store, so a stray process or a connection
 //      meant for an earlier communicator is refused.
@@ -89,6 +97,13 @@ constexpr unsigned kMaxSegmentLog2 = 10;
 // its arrival word, the every-dtype and back-to-back tests over this wire (then in tests/test_cpu_net.py)
 // failed 8 times in 3 runs of the 3 (int32 sums came out wrong), and 0 times in 2 runs without yields.
 constexpr size_t kYieldsPerRound = 3;
+// Signal::kFlagFirst (a test's mutation): the receiver thread sleeps this long after the flag and between its two
+// placement passes, as a flag that overtook its data on a real fabric leaves the reader time to act on it, so
+// that a reader which trusts the flag meets torn words in every run, not only when the scheduler lets it.
+constexpr std::chrono::microseconds kFlagFirstPause{500};
+// Between the quarters of an abort slot (rare: once per faulted peer), long enough for the waits' clock reads,
+// which poll the abort words, to meet the slot torn.
+constexpr std::chrono::milliseconds kAbortQuarterPause{2};
 // Messages gathered into one sendmsg() (two iovecs each: header and payload).
 constexpr int kBatch = 16;
 
@@ -128,10 +143,11 @@ struct Segment {
   size_t count;
 };
 
-// A message waiting in a send queue. Payload: image[offset, offset + bytes) for a write, `word` for an abort.
+// A message waiting in a send queue. Payload: image[offset, offset + bytes) for a write, `words` for an abort
+// (its slot, 16 bytes) or a signal's flag (the low 4 bytes of words[0], little-endian as every rank of one host).
 struct Outgoing {
   Header header;
-  uint64_t word;
+  uint64_t words[2];
   size_t sent;  // bytes of header + payload already taken by the socket
 };
 
@@ -209,15 +225,17 @@ struct Peer {
   size_t ack_bytes = 0;      // of a partly received ack at the start of `acks`
   // Receiver side: written by the receiver thread, read by the proxy.
   std::thread receiver;
-  std::atomic<uint32_t> arrivals{0};   // signals placed and acked (release: after their writes)
+  std::atomic<uint32_t> arrivals{0};   // kCompletion: signals placed and acked (release: after their writes)
   std::atomic<uint32_t> in_status{0};  // 0, or why `in` ended, stored after everything before it was placed
   uint32_t consumed = 0;               // the proxy's: arrivals consume() took
 };
 
 class TcpWire final : public Wire {
  public:
-  TcpWire(int rank, const RegionLayout& layout)
-      : rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), peers_(layout.world) {
+  TcpWire(int rank, const RegionLayout& layout, Signal signal)
+      : Wire(signal), rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), peers_(layout.world) {
+    if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
+      ROCENANTE_THROW(InvalidArgument, "unknown signal mode " + std::to_string(uint32_t(signal)));
     const size_t page = 4096;
     block_bytes_ = (2 * bytes_ + page - 1) / page * page;
     void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -285,16 +303,19 @@ class TcpWire final : public Wire {
     q.pending = true;
     if (q.out_status != 0) q.lost = true;
     if (bytes == 0 || q.out_status != 0) return;
-    q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, 0, 0});
+    q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, {0, 0}, 0});
     push(q);
   }
 
-  void signal() override {
+  void signal(uint32_t epoch) override {
+    const bool flag = signal_ != Signal::kCompletion;
+    const Header h{kSignal, 0, flag ? arrival_flag_offset(buffer_of(epoch), rank_) : 0, flag ? sizeof(epoch) : 0};
     for (Peer& q : peers_) {
       if (!q.pending) continue;
       q.pending = false;
       if (q.out_status != 0) continue;
-      q.queue.push_back(Outgoing{Header{kSignal, q.signals++, 0, 0}, 0, 0});
+      q.queue.push_back(Outgoing{h, {epoch, 0}, 0});
+      q.queue.back().header.seq = q.signals++;
       push(q);
     }
   }
@@ -337,7 +358,7 @@ class TcpWire final : public Wire {
   void probe(int peer, uint64_t& fault) override {
     Peer& q = peers_[peer];
     if (q.out < 0) return;
-    if (q.out_status == 0 && q.queue.empty()) q.queue.push_back(Outgoing{Header{kProbe, 0, 0, 0}, 0, 0});
+    if (q.out_status == 0 && q.queue.empty()) q.queue.push_back(Outgoing{Header{kProbe, 0, 0, 0}, {0, 0}, 0});
     push(q);
     read_acks(q);
     if (q.out_status != 0) fault = encode_fault(Fault::kTransport, uint32_t(peer), q.out_status);
@@ -345,7 +366,7 @@ class TcpWire final : public Wire {
 
   void post_abort(int peer, uint64_t word) noexcept override {
     if (peer == rank_) {
-      __atomic_store_n(abort_word(local_region(), rank_), word, __ATOMIC_RELEASE);
+      store_abort(local_region(), rank_, word);
       return;
     }
     Peer& q = peers_[peer];
@@ -354,7 +375,7 @@ class TcpWire final : public Wire {
       // Ahead of every message the socket has not started taking (a message is never interleaved).
       auto at = q.queue.begin();
       if (at != q.queue.end() && at->sent > 0) ++at;
-      q.queue.insert(at, Outgoing{Header{kAbort, 0, uint64_t(rank_) * sizeof(uint64_t), sizeof(uint64_t)}, word, 0});
+      q.queue.insert(at, Outgoing{Header{kAbort, 0, uint64_t(rank_) * kAbortSlotBytes, kAbortSlotBytes}, {word, ~word}, 0});
     } catch (...) {
       return;
     }
@@ -492,7 +513,7 @@ class TcpWire final : public Wire {
   }
 
   char* payload(Outgoing& m) const {
-    return m.header.kind == kWrite ? block_ + bytes_ + m.header.offset : reinterpret_cast<char*>(&m.word);
+    return m.header.kind == kWrite ? block_ + bytes_ + m.header.offset : reinterpret_cast<char*>(m.words);
   }
 
   // Takes the acks that have come, without blocking; each must acknowledge the next signal sent.
@@ -548,16 +569,31 @@ class TcpWire final : public Wire {
             at += len;
           }
         } else if (h.kind == kSignal) {
+          uint32_t flag = 0;
+          if (h.bytes != 0 && !read_all(q.in, &flag, sizeof(flag))) break;
+          uint32_t* flag_word = local_region() + h.offset / sizeof(uint32_t);
+          if (signal_ == Signal::kFlagFirst) {
+            __atomic_store_n(flag_word, flag, __ATOMIC_RELEASE);
+            std::this_thread::sleep_for(kFlagFirstPause);
+          }
           place(words, segments, rng);
+          if (signal_ == Signal::kFlag) __atomic_store_n(flag_word, flag, __ATOMIC_RELEASE);
           ++expected;
           const Ack ack = h.seq;
           const bool acked = write_all(q.in, &ack, sizeof(ack));
-          q.arrivals.store(expected, std::memory_order_release);  // after the writes' stores, and the ack
+          if (signal_ == Signal::kCompletion)
+            q.arrivals.store(expected, std::memory_order_release);  // after the writes' stores, and the ack
           if (!acked) break;
         } else if (h.kind == kAbort) {
-          uint64_t word;
-          if (!read_all(q.in, &word, sizeof(word))) break;
-          __atomic_store_n(abort_word(local_region(), p), word, __ATOMIC_RELEASE);
+          uint32_t quarters[kAbortSlotBytes / sizeof(uint32_t)];
+          if (!read_all(q.in, quarters, sizeof(quarters))) break;
+          int order[] = {0, 1, 2, 3};
+          std::shuffle(std::begin(order), std::end(order), rng);
+          uint32_t* slot = reinterpret_cast<uint32_t*>(abort_word(local_region(), p));
+          for (const int i : order) {
+            __atomic_store_n(slot + i, quarters[i], __ATOMIC_RELEASE);
+            std::this_thread::sleep_for(kAbortQuarterPause);
+          }
         }
       }
       if (status == kConnectionClosed) status = broken_status(errno);  // why the last read or ack failed
@@ -567,16 +603,25 @@ class TcpWire final : public Wire {
     q.in_status.store(status, std::memory_order_release);
   }
 
-  // Places a round's writes (invariant 2): every segment of every write in one random order, word by word,
-  // yielding a few times so that a reader that does not wait for the signal sees the round half placed.
+  // Places a round's writes (invariant 2): in two passes over every segment of every write, each in its own
+  // random order, the first storing one 16-bit half of each word (which one, at random), the second the other,
+  // so that between the passes every word of the round is torn; yielding a few times in each pass so that a
+  // reader that does not wait for the signal meets the round half placed.
   void place(std::vector<uint32_t>& words, std::vector<Segment>& segments, std::mt19937_64& rng) const {
-    std::shuffle(segments.begin(), segments.end(), rng);
-    uint32_t* region = local_region();
+    uint16_t* region = reinterpret_cast<uint16_t*>(local_region());  // little-endian: half 0 is the low one
+    const uint64_t salt = rng();
     const size_t stride = segments.size() / (kYieldsPerRound + 1) + 1;
-    for (size_t n = 0; n < segments.size(); ++n) {
-      const Segment& g = segments[n];
-      for (size_t i = 0; i < g.count; ++i) __atomic_store_n(region + g.dst + i, words[g.src + i], __ATOMIC_RELAXED);
-      if ((n + 1) % stride == 0 && n + 1 < segments.size()) std::this_thread::yield();
+    for (int pass = 0; pass < 2; ++pass) {
+      std::shuffle(segments.begin(), segments.end(), rng);
+      if (pass == 1 && signal_ == Signal::kFlagFirst) std::this_thread::sleep_for(kFlagFirstPause);
+      for (size_t n = 0; n < segments.size(); ++n) {
+        const Segment& g = segments[n];
+        for (size_t i = 0; i < g.count; ++i) {
+          const int half = int(((g.dst + i) * 0x9E3779B97F4A7C15ull + salt) >> 63) ^ pass;
+          __atomic_store_n(region + 2 * (g.dst + i) + half, uint16_t(words[g.src + i] >> (16 * half)), __ATOMIC_RELAXED);
+        }
+        if ((n + 1) % stride == 0 && n + 1 < segments.size()) std::this_thread::yield();
+      }
     }
     words.clear();
     segments.clear();
@@ -587,8 +632,12 @@ class TcpWire final : public Wire {
       case kWrite:
         return h.seq == 0 && h.bytes > 0 && h.offset % sizeof(uint32_t) == 0 && h.bytes % sizeof(uint32_t) == 0 &&
                h.offset >= kCallWordsOffset && h.offset <= bytes_ && h.bytes <= bytes_ - h.offset;
-      case kSignal: return h.seq == expected && h.offset == 0 && h.bytes == 0;
-      case kAbort: return h.seq == 0 && h.offset == uint64_t(p) * sizeof(uint64_t) && h.bytes == sizeof(uint64_t);
+      case kSignal:
+        if (h.seq != expected) return false;
+        if (signal_ == Signal::kCompletion) return h.offset == 0 && h.bytes == 0;
+        return h.bytes == sizeof(uint32_t) && (h.offset == arrival_flag_offset(0, p) ||
+                                               h.offset == arrival_flag_offset(1, p) || h.offset == arrival_flag_offset(2, p));
+      case kAbort: return h.seq == 0 && h.offset == uint64_t(p) * kAbortSlotBytes && h.bytes == kAbortSlotBytes;
       case kProbe: return h.seq == 0 && h.offset == 0 && h.bytes == 0;
       default: return false;
     }
@@ -629,8 +678,8 @@ class TcpWire final : public Wire {
 
 }  // namespace
 
-std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout) {
-  return std::make_unique<TcpWire>(rank, layout);
+std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout, Signal signal) {
+  return std::make_unique<TcpWire>(rank, layout, signal);
 }
 
 }  // namespace rocenante

@@ -33,9 +33,26 @@ class Transport {
   // will time out instead.
   virtual void post_abort(int peer, uint64_t word) noexcept = 0;
 
-  // Network transports (proxy.cc): the ring and arrival words the reducer and the proxy thread share; nullptr
-  // for direct transports (shared memory, CUDA IPC), whose peer_region() is the peer's memory itself.
+  // Network transports (proxy.cc): the ring the reducer and the proxy thread share, and the arrival words
+  // ([buffer][source], layout.h: Mailbox) the reducer waits for, in its address space; nullptr for direct
+  // transports (shared memory, CUDA IPC), whose peer_region() is the peer's memory itself.
   virtual Mailbox* mailbox() const { return nullptr; }
+  virtual const uint32_t* arrivals() const { return nullptr; }
+};
+
+// From the host: writes `word` and its check into abort slot `source` of `region` (layout.h, Abort words), each
+// 8-byte word whole.
+inline void store_abort(uint32_t* region, int source, uint64_t word) {
+  __atomic_store_n(abort_word(region, source), word, __ATOMIC_RELEASE);
+  __atomic_store_n(abort_check(region, source), ~word, __ATOMIC_RELEASE);
+}
+
+// How a network peer's delivery tells the reducer it is whole (layout.h, Mailbox); every rank alike (Config).
+enum class Signal : uint32_t {
+  kFlag = 0,        // the wire writes the arrival flag after the data, over the same connection (default)
+  kCompletion = 1,  // the receiver's proxy stores the mailbox's arrival word once the wire reports a signal
+  kFlagFirst = 2,   // tests only, TCP wire only: the flag is placed BEFORE the round's data, which the
+                    // network tests must catch (the mutation check of the flag's order)
 };
 
 // A network wire (RDMA verbs, the TCP software wire): a Transport whose peer_region(p) is this rank's image of
@@ -44,15 +61,18 @@ class Transport {
 // post_abort() may come from any thread, and the proxy serialises it with everything else.
 //
 // Neither the order in which a delivery's bytes are placed nor any word's atomicity is guaranteed while it
-// lands (SoftRoCE under an emulated CPU places byte by byte; the TCP wire places segments in random order):
+// lands (SoftRoCE under an emulated CPU places byte by byte; the TCP wire places 16-bit halves in random order):
 // a receiver reads a peer's bytes only once that peer's delivery has arrived whole. One round, the same on
 // sender and receiver, and none of these calls blocks:
-//   sender:   deliver(p, ...) any number of times, then signal(): posts, to each peer delivered to since the
-//             last signal(), a signal that all of it was sent; delivered() until true: everything posted has
+//   sender:   deliver(p, ...) any number of times, then signal(epoch): posts, to each peer delivered to since
+//             the last signal(), a signal that all of it was sent: with Signal::kFlag, a write of `epoch` into
+//             flag[epoch % 3][rank] of p's region, placed after everything delivered to p before it; with
+//             kCompletion, a message that p's arrived() reports. delivered() until true: everything posted has
 //             landed (a failure comes back through `fault`: Fault::kTransport naming the first peer it failed
 //             for). The next round's deliver() comes only after delivered() returned true.
-//   receiver: arrived(p) is true while a signal of p has arrived that consume(p) has not yet taken; everything p
-//             delivered before that signal is then in the region, whole. A broken connection comes back through
+//   receiver: kCompletion: arrived(p) is true while a signal of p has arrived that consume(p) has not yet
+//             taken; everything p delivered before that signal is then in the region, whole. kFlag: arrived(p)
+//             is never true (the flags say it, layout.h). Either way a broken connection comes back through
 //             `fault`, after every signal that arrived before the break.
 //   liveness: probe(p), which the proxy calls every kProbeInterval (proxy.cc) while this rank waits for p's
 //             delivery: if nothing is in flight to p, the wire sends p a message that p's transport (its NIC,
@@ -61,15 +81,21 @@ class Transport {
 //             a peer whose host or link went down fails this rank's wait within about that budget, whether or not
 //             this rank had anything to send it, while a stopped but live peer is still acknowledged and stays a
 //             timeout.
-// Abort words (post_abort) travel without a signal: a reader of abort words only asks "nonzero?".
+// Abort words (post_abort) travel without a signal, each in one write of its slot {word, check}, which a reader
+// takes only once whole (layout.h, Abort words).
 class Wire : public Transport {
  public:
+  explicit Wire(Signal signal) : signal_(signal) {}
+  Signal signal_mode() const { return signal_; }
   virtual void deliver(int peer, size_t offset, size_t bytes) = 0;
-  virtual void signal() = 0;
+  virtual void signal(uint32_t epoch) = 0;
   virtual bool delivered(uint64_t& fault) = 0;
   virtual bool arrived(int peer, uint64_t& fault) = 0;
   virtual void consume(int peer) = 0;
   virtual void probe(int peer, uint64_t& fault) = 0;
+
+ protected:
+  const Signal signal_;
 };
 // How long a wire lets a write go unacknowledged by the peer's transport before it fails the connection: the
 // RDMA retransmission budget (ibverbs.cc), and the TCP wire's TCP_USER_TIMEOUT.
@@ -91,11 +117,12 @@ std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const R
 // Other hosts (or ROCENANTE_NET=ib): one RC queue pair per peer over RoCE v2, paths[p] for peer p (paths[rank]
 // unused); the region and image are host memory. Throws InvalidArgument when rocenante was built without
 // rdma-core's headers, Error when libibverbs.so.1 cannot be loaded or a device, port or GID is unusable.
-std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths);
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths,
+                                        Signal signal);
 // ROCENANTE_NET=tcp, a test vehicle: every peer through TCP over loopback, as if it were on another host. Each
-// delivery's segments are placed in random order, 32-bit word by word, so that a format relying on placement
-// order fails its tests. The region and image are host memory.
-std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout);
+// delivery's segments are placed in random order, 16-bit half by half, so that a format relying on placement
+// order or word atomicity fails its tests. The region and image are host memory.
+std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout, Signal signal);
 // Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
 // loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
 // `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null. The reducers'

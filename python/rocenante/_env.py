@@ -189,6 +189,25 @@ def ib_qos():
     return tuple(values)
 
 
+def ib_signal() -> str:
+    """ROCENANTE_IB_SIGNAL: how a network peer's delivery tells this rank's reducer it is whole. "flag" (default):
+    the peer writes a flag after the data over the same queue pair, which the reducer (the kernel, or the host
+    loop) polls, so no host thread takes part on the receive side; it relies on the fabric placing one queue
+    pair's writes in order. "completion": a WRITE WITH IMMEDIATE, whose receive completion this rank's proxy
+    thread turns into the reducer's arrival word, for fabrics that place writes out of order (adaptive routing).
+    Every rank must set it alike; the TCP test wire follows it too. ROCENANTE_TEST_FLAG_FIRST=1 (tests of the
+    test vehicle only, TCP wire only) makes the TCP wire place the flag before the data, which the network tests
+    must catch."""
+    raw = os.environ.get("ROCENANTE_IB_SIGNAL", "").strip().lower() or "flag"
+    if raw not in ("flag", "completion"):
+        raise ValueError(f"ROCENANTE_IB_SIGNAL={raw!r}: use flag or completion")
+    if _flag("ROCENANTE_TEST_FLAG_FIRST"):
+        if raw != "flag":
+            raise ValueError("ROCENANTE_TEST_FLAG_FIRST=1 mutates the flag signal: leave ROCENANTE_IB_SIGNAL unset")
+        return "flag_first"
+    return raw
+
+
 def ib_gid_index():
     """ROCENANTE_IB_GID_INDEX, else NCCL_IB_GID_INDEX: (index, variable) when one is set, else (None, "")."""
     raw, name = _ib_setting("GID_INDEX")

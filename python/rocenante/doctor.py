@@ -119,6 +119,7 @@ def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int):
         gid_index, source = _env.ib_gid_index()
         paths = _ib.choose_paths(rank, world, sysfs, _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX")
         tc, sl = _env.ib_qos()
+        signal = _env.ib_signal()
     except (ValueError, _C.RocenanteError) as err:
         report.fatal = True
         report.say(f"rocenante could not use RDMA here: {err}")
@@ -126,6 +127,8 @@ def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int):
     report.say(_ib.describe(rank, paths))
     report.say(f"  queue pairs: traffic class {tc}, service level {sl} (ROCENANTE_IB_TC/NCCL_IB_TC, "
                "ROCENANTE_IB_SL/NCCL_IB_SL; 0 where unset)")
+    report.say(f"  delivery signal: {signal} (ROCENANTE_IB_SIGNAL; flag: the reducer polls a flag written after the "
+               "data, which needs a fabric that places a queue pair's writes in order)")
     if not _C.with_ibverbs:
         report.fatal = True
         report.say("this rocenante was built without rdma-core's headers: install libibverbs-dev and reinstall it")
@@ -199,7 +202,8 @@ def main() -> int:
             "with_ibverbs": _C.with_ibverbs,
             "env": {k: os.environ.get(k) for k in ("ROCENANTE_IB_HCA", "NCCL_IB_HCA", "ROCENANTE_IB_GID_INDEX",
                                                    "NCCL_IB_GID_INDEX", "ROCENANTE_IB_TC", "NCCL_IB_TC",
-                                                   "ROCENANTE_IB_SL", "NCCL_IB_SL", "ROCENANTE_NET")},
+                                                   "ROCENANTE_IB_SL", "NCCL_IB_SL", "ROCENANTE_NET",
+                                                   "ROCENANTE_IB_SIGNAL")},
             "usable": paths is not None,
         }
         summaries = [None] * world

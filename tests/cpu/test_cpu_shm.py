@@ -23,8 +23,8 @@ from multiproc import expect_ok, run_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUPPORT = os.path.join(os.path.dirname(HERE), "support")
 SMALL_SHM = "8m"
-# World 2: each region is 3 x (2 - 1) x capacity (+ a 512-byte header): 6 MiB for 2 MiB, so that one fits in
-# 8 MiB and two do not; 9 MiB for 3 MiB, so that none fits.
+# World 2: each region is 3 x (2 - 1) x capacity (+ the header, _C.wire.header_bytes): 6 MiB for 2 MiB, so that
+# one fits in 8 MiB and two do not; 9 MiB for 3 MiB, so that none fits.
 ONE_FITS, NONE_FITS = 2 << 20, 3 << 20
 
 
@@ -87,7 +87,7 @@ def test_a_full_dev_shm_fails_setup_on_every_rank_with_a_clear_error(capacity):
             assert "rank 1 failed to set up the communicator" in message, message
             assert elapsed < 10, f"rank {rank} waited {elapsed:.1f} s for a rank that had already failed"
             continue
-        region = 512 + 3 * capacity
+        region = _C.wire.header_bytes + 3 * capacity
         for words in (f"rank {rank}: cannot reserve {region} bytes", "No space left on device", "bytes free",
                       "3 x (world - 1) x capacity", "ROCENANTE_CAPACITY_BYTES"):
             assert words in message, message

@@ -104,6 +104,26 @@ def test_every_dtype_op_and_size_matches_the_references(net, world):
     assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
 
 
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+def test_the_completion_signal_matches_the_references(net, monkeypatch):
+    # ROCENANTE_IB_SIGNAL=completion: the receiving proxy stores the mailbox's arrival word (layout.h, Mailbox).
+    monkeypatch.setenv("ROCENANTE_IB_SIGNAL", "completion")
+    results = expect_ok(run_ranks(WORLD, _every_dtype_op_size, 32, net, False, timeout=300))
+    assert results[0] == results[1], "ranks produced different bits"
+
+
+@pytest.mark.parametrize("net", ["tcp"], indirect=True)
+def test_a_flag_placed_before_its_data_is_caught(net, monkeypatch):
+    # The mutation check of the flag signal (Signal::kFlagFirst, transport.h): the TCP wire stores each flag
+    # before its delivery's data, and the kernel, trusting the flag, must meet torn words: a wrong result or a
+    # call word that matches nothing, never a pass.
+    monkeypatch.setenv("ROCENANTE_TEST_FLAG_FIRST", "1")
+    results = run_ranks(WORLD, _every_dtype_op_size, 33, net, False, timeout=300)
+    caught = [r for r in results if isinstance(r, tuple) and r[:2] in (("error", "AssertionError"),
+                                                                        ("error", "CallMismatchError"))]
+    assert caught, f"a flag placed before its data went unnoticed: {[r[:3] if isinstance(r, tuple) else r for r in results]}"
+
+
 @pytest.mark.separate_gpus
 def test_every_dtype_op_and_size_matches_nccl(net):
     results = expect_ok(run_ranks(WORLD, _every_dtype_op_size, 31, net, True, timeout=300))

@@ -1,11 +1,14 @@
 """An independent peer written with pyverbs (rdma-core's own binding) joins a 2-rank communicator as rank 1:
 it publishes a handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
-them (a zero-length RDMA WRITE WITH IMMEDIATE carrying its signal count), and reads what rank 0 wrote into its
-own region once rank 0's signal arrived. Every offset and format of the region and the wire below is derived here
-from what csrc/layout.h and csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not
-from rocenante's code (protocol ROC6: each buffer's call words on a 128-byte line of their own), so this checks
-the wire layout and the signalling against rdma-core's binding; only the
-handle's framing (the core's magics and header sizes) comes from rocenante._C.wire."""
+them, and reads what rank 0 wrote into its own region once rank 0's signal arrived. The signal, as
+ROCENANTE_IB_SIGNAL says: "flag" (default), a 4-byte RDMA WRITE of the call's number into the receiver's
+flag word for this buffer and sender, after the data on the same queue pair, which the receiver polls in its
+memory; "completion", a zero-length RDMA WRITE WITH IMMEDIATE carrying the sender's signal count. Every offset
+and format of the region and the wire below is derived here from what csrc/layout.h and
+csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's code
+(protocol ROC7: abort words, the flags' line, then each buffer's call words on a 128-byte line of their own), so
+this checks the wire layout and the signalling against rdma-core's binding; only the handle's framing (the
+core's magics and header sizes) comes from rocenante._C.wire."""
 
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from multiproc import expect_ok, run_ranks
 from rocenante import _C, _env, _ib
 
 WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
-HEADER, CALL_WORDS, LINE, BUFFERS = 512, 128, 128, 3
-EMPTY = 0x80000000
+HEADER, FLAGS, CALL_WORDS, LINE, BUFFERS, MAX_RANKS = 1024, 128, 256, 128, 3, 8
+EMPTY, NO_EPOCH = 0x80000000, 0xFFFFFFFF
 REGION = HEADER + BUFFERS * (WORLD - 1) * CAPACITY
 EPOCH = 1  # the communicator's first call
 BUFFER = EPOCH % BUFFERS
@@ -34,6 +37,10 @@ BUFFER = EPOCH % BUFFERS
 
 def call_word_offset(buffer: int, source: int) -> int:
     return CALL_WORDS + buffer * LINE + source * 4
+
+
+def flag_offset(buffer: int, source: int) -> int:
+    return FLAGS + (buffer * MAX_RANKS + source) * 4
 
 
 def area_offset(buffer: int, receiver: int, source: int) -> int:
@@ -59,7 +66,7 @@ def _wait(store, keys, what):
         time.sleep(0.01)
 
 
-def _pyverbs_rank(store, mtu_drop):
+def _pyverbs_rank(store, mtu_drop, signal):
     sys.path.append("/usr/lib/python3/dist-packages")  # the system's pyverbs, matching its rdma-core
     import pyverbs.enums as e
     from pyverbs.addr import AHAttr, GID, GlobalRoute
@@ -77,8 +84,8 @@ def _pyverbs_rank(store, mtu_drop):
     scq, rcq = CQ(ctx, 8), CQ(ctx, 8)
     qp = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=scq, rcq=rcq, cap=QPCap(max_send_wr=4, max_recv_wr=4)))
     region = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-    region.write(bytes(CALL_WORDS) + struct.pack(f"<{(REGION - CALL_WORDS) // 4}I", *[EMPTY] * ((REGION - CALL_WORDS) // 4)),
-                 REGION, 0)
+    region.write(bytes(FLAGS) + struct.pack("<32I", *[NO_EPOCH] * 32) +
+                 struct.pack(f"<{(REGION - CALL_WORDS) // 4}I", *[EMPTY] * ((REGION - CALL_WORDS) // 4)), REGION, 0)
     send = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE)
     port = ctx.query_port(path.port)
     mtu_code = port.active_mtu - mtu_drop  # a crafted value: a port with a smaller MTU than ours
@@ -86,7 +93,8 @@ def _pyverbs_rank(store, mtu_drop):
 
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
     store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
-    config = struct.pack("<IIQiI", _C.wire.config_magic, WORLD, CAPACITY, 0, 1)  # world, capacity, CPU, first call
+    # world, capacity, CPU, first call, signal (0 flag, 1 completion), a zero word
+    config = struct.pack("<IIQiIII", _C.wire.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal), 0)
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
     assert (len(config), len(config + identity)) == (_C.wire.config_bytes, _C.wire.handle_header_bytes)
     gid = bytes.fromhex(path.gid.replace(":", ""))
@@ -115,8 +123,8 @@ def _pyverbs_rank(store, mtu_drop):
     attr.ah_attr = AHAttr(gr=GlobalRoute(dgid=dest, sgid_index=path.gid_index, hop_limit=64), is_global=1,
                           port_num=path.port)
     qp.to_init(attr)
-    # For rank 0's signal; a WRITE WITH IMMEDIATE places nothing through it (pyverbs wants one SGE anyway).
-    qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)]))
+    if signal == "completion":  # for rank 0's signal; it places nothing through it (pyverbs wants one SGE anyway)
+        qp.post_recv(RecvWR(wr_id=1, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)]))
     qp.to_rts(attr)
     store.set(f"{prefix}/connected/1", "1")
     _wait(store, [f"{prefix}/connected/0"], "rank 0 to connect")
@@ -145,18 +153,26 @@ def _pyverbs_rank(store, mtu_drop):
     send.write(payload, len(payload), area_offset(BUFFER, 0, 1))
     write(call_word_offset(BUFFER, 1), 4)
     write(area_offset(BUFFER, 0, 1), len(payload))
-    signal = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)],
-                    imm_data=socket.htonl(0), send_flags=e.IBV_SEND_SIGNALED)  # zero bytes; our first signal
-    signal.set_wr_rdma(rkey, addr)
-    post_and_complete(signal)
+    if signal == "flag":  # after the data, on the same queue pair
+        send.write(struct.pack("<I", EPOCH), 4, flag_offset(BUFFER, 1))
+        write(flag_offset(BUFFER, 1), 4)
+    else:
+        imm = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)],
+                     imm_data=socket.htonl(0), send_flags=e.IBV_SEND_SIGNALED)  # zero bytes; our first signal
+        imm.set_wr_rdma(rkey, addr)
+        post_and_complete(imm)
 
     # Rank 0's signal, then its call word and data in our region.
     while True:
-        n, wcs = rcq.poll()
-        if n:
-            assert wcs[0].status == e.IBV_WC_SUCCESS and wcs[0].opcode == e.IBV_WC_RECV_RDMA_WITH_IMM, wcs[0].status
-            assert socket.ntohl(wcs[0].imm_data) == 0, f"rank 0's first signal carries {socket.ntohl(wcs[0].imm_data)}"
-            break
+        if signal == "flag":
+            if struct.unpack("<I", region.read(4, flag_offset(BUFFER, 0)))[0] == EPOCH:
+                break
+        else:
+            n, wcs = rcq.poll()
+            if n:
+                assert wcs[0].status == e.IBV_WC_SUCCESS and wcs[0].opcode == e.IBV_WC_RECV_RDMA_WITH_IMM, wcs[0].status
+                assert socket.ntohl(wcs[0].imm_data) == 0, f"rank 0's first signal carries {socket.ntohl(wcs[0].imm_data)}"
+                break
         assert time.monotonic() < deadline, "rank 0's signal never arrived"
     got_call = struct.unpack("<I", region.read(4, call_word_offset(BUFFER, 0)))[0]
     got = region.read(COUNT * 4, area_offset(BUFFER, 1, 0))
@@ -167,9 +183,10 @@ def _pyverbs_rank(store, mtu_drop):
     return got_call == call_word(), got == values(0).numpy().tobytes()
 
 
-def _rank(store, rank, world, mtu_drop):
+def _rank(store, rank, world, mtu_drop, signal):
     if rank == 1:
-        return _pyverbs_rank(store, mtu_drop)
+        return _pyverbs_rank(store, mtu_drop, signal)
+    os.environ["ROCENANTE_IB_SIGNAL"] = signal
     # What the transport prints while connecting (the MTU warning) goes to a file rank 0 reads afterwards.
     log = tempfile.TemporaryFile(mode="w+")
     saved = os.dup(2)
@@ -188,11 +205,12 @@ def _rank(store, rank, world, mtu_drop):
     return torch.equal(out, want) and not torch.signbit(out[7]), log.read()
 
 
-@pytest.mark.parametrize("mtu_drop", [0, 1], ids=["same-mtu", "peer-mtu-smaller"])
-def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout(mtu_drop):
+@pytest.mark.parametrize("mtu_drop, signal", [(0, "flag"), (1, "flag"), (0, "completion")],
+                         ids=["same-mtu", "peer-mtu-smaller", "completion-signal"])
+def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout(mtu_drop, signal):
     if not os.path.isdir("/usr/lib/python3/dist-packages/pyverbs"):
         pytest.skip("needs the system's pyverbs (apt install python3-pyverbs)")
-    (ours, log), (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, mtu_drop, timeout=300, context="fork"))
+    (ours, log), (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, mtu_drop, signal, timeout=300, context="fork"))
     assert ours, "rank 0's result is not its input plus the pyverbs peer's"
     assert call_ok, "the call word rank 0 wrote into the pyverbs peer's region is not the one layout.h defines"
     assert data_ok, "the pyverbs peer read other data than rank 0's input from its region"

@@ -53,8 +53,11 @@ def _table(store, rank, world, seed):
     return digests, str(err.value)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_dtypes_ops_random_sizes_bitwise_identical_across_ranks(world):
+# The flag signal (default) at every world, the completion signal (ROCENANTE_IB_SIGNAL=completion) at one.
+@pytest.mark.parametrize("world, signal", [(2, "flag"), (3, "flag"), (4, "flag"), (3, "completion")],
+                         ids=["2", "3", "4", "3-completion"])
+def test_dtypes_ops_random_sizes_bitwise_identical_across_ranks(world, signal, monkeypatch):
+    monkeypatch.setenv("ROCENANTE_IB_SIGNAL", signal)
     results = expect_ok(run(world, _table, 1000 + world))
     assert all(r[0] == results[0][0] for r in results), "ranks computed different bits"
     # Over a network a rank may hear of the mismatch from a peer's abort word before the odd call's delivery
