@@ -55,12 +55,11 @@
 //     write other words, but a mismatch closes the communicator for good.
 //   - Two buffers would not do: a peer may start call e + 1 (writing buffer (e + 1) % 2 = (e - 1) % 2) as soon as
 //     it has our data of call e, before we have reset that buffer during call e.
-//   - Shared memory and CUDA IPC stores are placed exactly once. Over RDMA a retransmitted packet can repeat a
-//     write only until the sender's work request completes (a later duplicate is acknowledged, not executed),
-//     the sender waits for the completion of its writes of call e before it posts those of call e + 1, and
-//     the receiver reads call e's words only after the sender's signal of call e (its flag, or its completion:
-//     below, Mailbox): the argument in full, with its sources, is beside the transport
-//     (csrc/transport/ibverbs.cc).
+//   - Shared memory and CUDA IPC stores are placed exactly once. Over RDMA a retransmitted packet is executed
+//     at most once (a later duplicate is acknowledged, not executed), a queue pair executes a sender's writes in
+//     the order posted, and the receiver reads call e's words only after the sender's signal of call e (its
+//     flag, or its completion: below, Mailbox), posted after them: the argument in full, with its sources, is
+//     beside the transport (csrc/transport/ibverbs.cc).
 // That argument needs calls to execute in the order every rank issued them: the communicator orders each call
 // after the previous one whatever stream or thread issues it (communicator.cc).
 //

@@ -26,20 +26,22 @@
 // a reader takes the word once the slot is whole (layout.h, Abort words).
 //
 // Why no stale, late or repeated RDMA write is ever taken for current data. Stated for protocol v2 (3 rotating
-// buffers; in call e a sender writes buffer e%3 of each peer's region and nothing else but abort words, and a
-// receiver resets buffer (e-1)%3 of its own region during call e). For one sender p and one receiver r:
-//   1. p posts its writes of call e to r only after every write it posted to r before (call e-1's, its
-//      signal included) completed: the proxy takes call e only once delivered() returned true for call e-1.
-//   2. A completion at p means r's NIC acknowledged the request. An RC responder executes requests once each,
-//      in PSN order ("A responder shall execute SEND requests, RDMA WRITE requests and ATOMIC Operation requests
-//      in the message order in which they are received", IBTA vol. 1 rel. 1.4, p. 291), so when call e-1's
-//      signal completed at p, every byte p wrote in calls <= e-1 had been placed at r.
-//   3. A packet arriving after its request was acknowledged (a retransmitted or delayed copy) carries a PSN
-//      behind r's expected PSN: a duplicate, which the responder acknowledges again without executing it
-//      (IBTA C9-105, as applied by Linux rxe: drivers/infiniband/sw/rxe/rxe_resp.c, duplicate_request():
-//      "SEND. Ack again and cleanup. C9-105." for SEND and RDMA WRITE alike). So nothing of call e' lands at r
-//      after call e' completed at p, and r's reset of buffer (e-1)%3 during call e is final until p's call
-//      e+2, the next to write that buffer, which p posts only after its call e+1 completed (1).
+// buffers; in call e a sender writes buffer e%3 of each peer's region, its call word, area and flag, and nothing
+// else but abort words, and a receiver resets buffer (e-1)%3 of its own region during call e). For one sender p
+// and one receiver r:
+//   1. p posts its writes of call e to r on one queue pair, after every write of call e-1, signal included
+//      (possibly before those completed: the proxy keeps up to kRoundsInFlight rounds posted, transport.h).
+//   2. An RC responder executes requests once each, in PSN order ("A responder shall execute SEND requests, RDMA
+//      WRITE requests and ATOMIC Operation requests in the message order in which they are received", IBTA
+//      vol. 1 rel. 1.4, p. 291), so once p's signal of call e-1 has been executed at r, so has every write p
+//      posted before it.
+//   3. A packet arriving after its request was executed (a retransmitted or delayed copy) carries a PSN behind
+//      r's expected PSN: a duplicate, which the responder acknowledges again without executing it (IBTA C9-105,
+//      as applied by Linux rxe: drivers/infiniband/sw/rxe/rxe_resp.c, duplicate_request(): "SEND. Ack again and
+//      cleanup. C9-105." for SEND and RDMA WRITE alike). So nothing of call e-1 lands at r after r saw p's
+//      signal of call e-1 (4), and r's reset of buffer (e-1)%3 during call e, which follows that, is final until
+//      p's call e+2, the next to write that buffer: p rings it only after r's data of call e+1 reached it, which
+//      r sends once its call e, reset included, has finished (layout.h).
 //   4. r reads p's words of call e only after p's signal of call e arrived. Completion: a receive completion,
 //      generated after the message and, by 2, all earlier ones were placed (NCCL's net_ib signals the same way,
 //      a 0-byte RDMA_WRITE_WITH_IMM after the data); its immediate is p's count of signals to r, which r checks,
@@ -162,8 +164,13 @@ constexpr uint8_t kRnrRetry = 6;
 constexpr double kAbortDrainS = 0.1;
 // Hop limit of the RoCE v2 (routed, UDP/IP) packets' IP header: the IPv4 TTL, generous for any fabric.
 constexpr uint8_t kHopLimit = 64;
-// Writes in flight per queue pair: one call's data writes and signal plus abort words, with room to spare.
+// Work requests of one round to one peer: its call word, its area, its signal.
+constexpr int kRoundWrs = 3;
+// Writes in flight per queue pair: kRoundsInFlight rounds, an abort word and a probe, with room to spare.
 constexpr uint32_t kMaxSendWr = 16;
+static_assert(kRoundsInFlight * kRoundWrs + 2 <= int(kMaxSendWr), "the send queue never overflows");
+// Writes this small go inline (copied into the work request when posted): a call word, a flag.
+constexpr uint32_t kMaxInline = sizeof(uint32_t);
 // Receives posted per queue pair, one consumed by each signal: a peer is at most one call ahead (layout.h), so
 // at most two signals wait at a time.
 constexpr uint32_t kRecvDepth = 16;
@@ -222,6 +229,11 @@ struct PeerLink {
   uint32_t arrivals = 0;   // signals received (each carries the sender's count, checked)
   uint32_t consumed = 0;   // arrivals the host path has used
   int in_flight = 0;       // signalled writes to this peer posted and not yet completed
+  // The round being gathered (deliver() appends, signal() posts it as one chained list, only its signal
+  // signalled: RC completes a queue pair's requests in order, so its completion covers the writes before it).
+  ibv_send_wr round[kRoundWrs];
+  ibv_sge sges[kRoundWrs];
+  int gathered = 0;
 };
 
 class IbverbsWire final : public Wire {
@@ -274,7 +286,7 @@ class IbverbsWire final : public Wire {
         init.cap.max_recv_wr = kRecvDepth;  // receives take no data: a signal carries only its immediate
         init.cap.max_send_sge = 1;
         init.cap.max_recv_sge = 1;
-        init.cap.max_inline_data = sizeof(uint32_t);  // a flag
+        init.cap.max_inline_data = kMaxInline;
         init.qp_type = IBV_QPT_RC;
         l.qp = v.create_qp(d.pd, &init);
         if (l.qp == nullptr) fail_errno("create a queue pair on " + d.name, p);
@@ -374,7 +386,8 @@ class IbverbsWire final : public Wire {
   void deliver(int peer, size_t offset, size_t bytes) override {
     links_[peer].pending = true;
     if (bytes == 0) return;
-    post_write(peer, block_ + bytes_ + offset, offset, bytes, uint64_t(peer) << 1);
+    if (links_[peer].gathered == kRoundWrs - 1) post_round(peer);  // the signal must come last: make room
+    gather(peer, block_ + bytes_ + offset, offset, bytes);
   }
 
   void signal(uint32_t epoch) override {
@@ -382,25 +395,18 @@ class IbverbsWire final : public Wire {
       PeerLink& l = links_[p];
       if (!l.pending) continue;
       l.pending = false;
-      ibv_send_wr wr{};
-      ibv_sge flag{};
-      wr.wr_id = uint64_t(p) << 1;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      wr.wr.rdma.rkey = l.remote.rkey;
       if (signal_ == Signal::kFlag) {
-        flag.addr = reinterpret_cast<uintptr_t>(&epoch);  // inline: copied when posted
-        flag.length = sizeof(epoch);
-        wr.sg_list = &flag;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_RDMA_WRITE;
-        wr.send_flags |= IBV_SEND_INLINE;
-        wr.wr.rdma.remote_addr = l.remote.addr + arrival_flag_offset(buffer_of(epoch), rank_);
+        gather(p, &epoch, arrival_flag_offset(buffer_of(epoch), rank_), sizeof(epoch));  // inline: copied below
       } else {
+        ibv_send_wr& wr = l.round[l.gathered++];
+        wr = {};
         wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;  // zero bytes: only the immediate and its receive completion
         wr.imm_data = htonl(l.signals++);
         wr.wr.rdma.remote_addr = l.remote.addr;
+        wr.wr.rdma.rkey = l.remote.rkey;
       }
-      post(p, wr);
+      l.round[l.gathered - 1].send_flags |= IBV_SEND_SIGNALED;
+      post_round(p);
     }
     signalled_ = std::chrono::steady_clock::now();
   }
@@ -462,7 +468,6 @@ class IbverbsWire final : public Wire {
     if ((fault = take_pending_fault()) == 0) fault = poll_completions(devices_[l.device]);
     if (fault != 0 || l.in_flight > 0) return;
     ibv_send_wr wr{};
-    wr.wr_id = (uint64_t(peer) << 1) | 1;
     wr.opcode = IBV_WR_RDMA_WRITE;
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.wr.rdma.remote_addr = l.remote.addr;
@@ -480,7 +485,7 @@ class IbverbsWire final : public Wire {
     slot[0] = word;
     slot[1] = ~word;
     try {
-      post_write(peer, slot, size_t(rank_) * kAbortSlotBytes, kAbortSlotBytes, (uint64_t(peer) << 1) | 1);
+      post_write(peer, slot, size_t(rank_) * kAbortSlotBytes, kAbortSlotBytes);
     } catch (...) {
     }
     drain(devices_[links_[peer].device], kAbortDrainS);  // a peer that cannot be told times out instead
@@ -557,32 +562,52 @@ class IbverbsWire final : public Wire {
     }
   }
 
-  // Posts one signalled RDMA WRITE of `bytes` at `src` (inside the send registration) to `offset` of peer's
-  // region. A post the NIC refuses is recorded as that peer's transport fault.
-  void post_write(int peer, void* src, size_t offset, size_t bytes, uint64_t wr_id) {
+  // Appends to peer's round an unsignalled RDMA WRITE of `bytes` at `src` (inside the send registration, or
+  // anywhere when it goes inline: kMaxInline) to `offset` of peer's region.
+  void gather(int peer, const void* src, size_t offset, size_t bytes) {
     PeerLink& l = links_[peer];
-    const Device& d = devices_[l.device];
-    ibv_sge sge{};
+    ibv_sge& sge = l.sges[l.gathered];
     sge.addr = reinterpret_cast<uintptr_t>(src);
     sge.length = uint32_t(bytes);
-    sge.lkey = d.send_mr->lkey;
-    ibv_send_wr wr{};
-    wr.wr_id = wr_id;
+    sge.lkey = devices_[l.device].send_mr->lkey;
+    ibv_send_wr& wr = l.round[l.gathered++];
+    wr = {};
     wr.sg_list = &sge;
     wr.num_sge = 1;
     wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.send_flags = bytes <= kMaxInline ? IBV_SEND_INLINE : 0;
     wr.wr.rdma.remote_addr = l.remote.addr + offset;
     wr.wr.rdma.rkey = l.remote.rkey;
-    post(peer, wr);
   }
 
-  void post(int peer, ibv_send_wr& wr) {
+  // Posts peer's gathered round as one list.
+  void post_round(int peer) {
+    PeerLink& l = links_[peer];
+    for (int i = 0; i + 1 < l.gathered; ++i) l.round[i].next = &l.round[i + 1];
+    const int n = std::exchange(l.gathered, 0);
+    if (n > 0) post(peer, l.round[0], (l.round[n - 1].send_flags & IBV_SEND_SIGNALED) != 0);
+  }
+
+  // Posts one signalled RDMA WRITE of `bytes` at `src` (inside the send registration) to `offset` of peer's
+  // region, on its own.
+  void post_write(int peer, void* src, size_t offset, size_t bytes) {
+    gather(peer, src, offset, bytes);
+    ibv_send_wr& wr = links_[peer].round[links_[peer].gathered - 1];
+    wr.send_flags = IBV_SEND_SIGNALED;  // from the registration: an abort slot is larger than kMaxInline
+    post_round(peer);
+  }
+
+  // Posts the list `wr`, whose last request is `signalled` (the others are not). A post the NIC refuses is
+  // recorded as that peer's transport fault. A completion is counted (Device::outstanding, in_flight) for the
+  // signalled request only, which the wr_id says: an unsignalled one that fails completes too, uncounted.
+  void post(int peer, ibv_send_wr& wr, bool signalled = true) {
+    for (ibv_send_wr* w = &wr; w != nullptr; w = w->next) w->wr_id = (uint64_t(peer) << 1) | (w->next == nullptr && signalled);
     ibv_send_wr* bad = nullptr;
     if (ibv_post_send(links_[peer].qp, &wr, &bad) != 0) {
       if (pending_fault_ == 0) pending_fault_ = encode_fault(Fault::kTransport, uint32_t(peer), kPostFailed);
       return;
     }
+    if (!signalled) return;
     ++devices_[links_[peer].device].outstanding;
     ++links_[peer].in_flight;
   }
@@ -604,8 +629,10 @@ class IbverbsWire final : public Wire {
     for (int n; d.outstanding > 0 && (n = ibv_poll_cq(d.cq, 8, wc)) != 0;) {
       if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
       for (int i = 0; i < n; ++i) {
-        --d.outstanding;
-        --links_[wc[i].wr_id >> 1].in_flight;
+        if (wc[i].wr_id & 1) {
+          --d.outstanding;
+          --links_[wc[i].wr_id >> 1].in_flight;
+        }
         if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
           fault = encode_fault(Fault::kTransport, uint32_t(wc[i].wr_id >> 1), uint32_t(wc[i].status));
       }

@@ -5,9 +5,10 @@
 //
 // The thread polls, in a loop, under one mutex (post_abort() from other threads takes it too):
 //   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and the span
-//            of its area in the image to every peer, signal(e) (with Signal::kFlag, the flag that tells the
-//            peer's reducer), then delivered() until true before taking e + 1 (transport.h: a round's writes
-//            have landed before the next round's are posted — the stale-write argument of ibverbs.cc rests on it).
+//            of its area in the image to every peer and signal(e) (with Signal::kFlag, the flag that tells the
+//            peer's reducer); e + 1 may follow before e's writes have landed, up to kRoundsInFlight rounds
+//            (transport.h; ibverbs.cc says why no stale write can follow), and delivered() until true reports
+//            them all landed.
 //   receive: p's delivery of e_p is seen, by its flag reading e_p (kFlag: the reducer reads the same flag, the
 //            proxy only follows), or by arrived(p) (kCompletion: then arrived[e_p % 3][p] = e_p, release, for the
 //            reducer, and consume(p)); e_p moves on to the next epoch (every call is delivered to every peer once,
@@ -113,7 +114,7 @@ class Proxy final : public Transport {
     const int world = layout_.world;
     const bool completion = wire_->signal_mode() == Signal::kCompletion;
     uint32_t send = first_epoch_;  // the next epoch to send (the reducers count from the same first call)
-    bool sending = false;
+    int posted = 0;                // rounds posted that delivered() has not yet reported landed
     uint32_t rung = kNoEpoch;  // the last epoch rung: the reducer's current call (kNoEpoch: none yet)
     uint32_t receive[kMaxRanks];  // per peer, the epoch of its next delivery
     bool closed[kMaxRanks] = {};
@@ -126,14 +127,14 @@ class Proxy final : public Transport {
       if (stop_.load(std::memory_order_relaxed)) {
         if (drain_until == std::chrono::steady_clock::time_point{}) drain_until = now + kDrain;
         const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
-        if ((!sending && uint32_t(ring) != send) || now > drain_until) return;
+        if ((posted == 0 && uint32_t(ring) != send) || now > drain_until) return;
       }
       bool worked = false;
       uint64_t fault = 0;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
-        if (!sending && uint32_t(ring) == send) {
+        if (posted < kRoundsInFlight && uint32_t(ring) == send) {
           rung = send;
           const int buffer = buffer_of(send);
           for (int p = 0; p < world; ++p) {
@@ -143,16 +144,19 @@ class Proxy final : public Transport {
           }
           wire_->signal(send);
           note(timeline_, send, kProxyRing);
-          sending = worked = true;
+          send = next_epoch(send);
+          ++posted;
+          worked = true;
         }
-        if (sending) {
+        if (posted > 0) {
           uint64_t failed = 0;
           const bool done = wire_->delivered(failed);
           if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
           if (done || failed != 0) {
-            note(timeline_, send, kProxyDelivered);
-            sending = false;
-            send = next_epoch(send);
+            for (uint32_t e = send; posted > 0; --posted) {
+              e = previous_epoch(e);
+              note(timeline_, e, kProxyDelivered);
+            }
             worked = true;
           }
         }

@@ -23,10 +23,10 @@
 //   1. An ack means: this signal and every write s queued for r before it were placed. TCP delivers a
 //      connection's bytes once each and in order, and r's one thread for s places a round's writes when it
 //      reads the round's signal, before it reads the next message; it sends the ack only after that.
-//      delivered() returns true only once every signal was acked, and the next round's deliver() comes only
-//      after it (transport.h), so nothing of a round lands after the sender's delivered() returned true, and
-//      TCP hands the application no duplicate: the stale-write argument ibverbs.cc makes for RDMA holds here,
-//      more simply.
+//      delivered() returns true only once every signal was acked. Rounds queued before earlier ones were acked
+//      (transport.h, kRoundsInFlight) are placed after them, each before its signal is seen (2), and TCP hands
+//      the application no duplicate: nothing of a round lands after r saw its signal, the stale-write argument
+//      ibverbs.cc makes for RDMA, more simply.
 //   2. kCompletion: arrived(s) counts a signal only after its ack was written, so everything before it was
 //      placed; kFlag: the flag is stored (release) after everything before it was placed. A round is placed in
 //      random order: all its writes (call word and area alike) cut into segments of 1 word to a page, shuffled

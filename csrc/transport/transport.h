@@ -69,7 +69,8 @@ enum class Signal : uint32_t {
 //             flag[epoch % 3][rank] of p's region, placed after everything delivered to p before it; with
 //             kCompletion, a message that p's arrived() reports. delivered() until true: everything posted has
 //             landed (a failure comes back through `fault`: Fault::kTransport naming the first peer it failed
-//             for). The next round's deliver() comes only after delivered() returned true.
+//             for). Up to kRoundsInFlight rounds may be posted before delivered() returns true; each peer
+//             receives the rounds, signals included, in the order they were posted.
 //   receiver: kCompletion: arrived(p) is true while a signal of p has arrived that consume(p) has not yet
 //             taken; everything p delivered before that signal is then in the region, whole. kFlag: arrived(p)
 //             is never true (the flags say it, layout.h). Either way a broken connection comes back through
@@ -97,6 +98,10 @@ class Wire : public Transport {
  protected:
   const Signal signal_;
 };
+// Rounds a proxy may have posted that the wire has not yet reported landed (delivered()). Two let call e + 1
+// leave while call e's acknowledgements are still on their way; a reducer rings e + 2 only once its peers had
+// our data of e (layout.h, Mailbox), so a third would seldom help.
+constexpr int kRoundsInFlight = 2;
 // How long a wire lets a write go unacknowledged by the peer's transport before it fails the connection: the
 // RDMA retransmission budget (ibverbs.cc), and the TCP wire's TCP_USER_TIMEOUT.
 constexpr double kLivenessBudgetS = 1.9;
