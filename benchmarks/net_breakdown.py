@@ -10,8 +10,11 @@ bf16 sum. Per call, from rank r's kernel and proxy and its peer q's:
   network path
     staging    r's kernel: start -> doorbell stored (its stores into the image visible)    GPU clock
     doorbell   r's doorbell stored -> r's proxy took it and posted the deliveries           GPU -> host clock
-    wire       r's proxy posted -> q's proxy stored r's arrival word                        host clock
-    arrival    q's proxy stored the arrival word -> q's kernel saw it (and the data)        host -> GPU clock
+    wire       r's proxy posted -> q's proxy saw r's delivery arrive                        host clock
+    arrival    q's proxy saw it -> q's kernel saw it (and the data)                         host -> GPU clock
+    (q's proxy sees the delivery by r's flag, which q's kernel polls too, so with the default flag signal
+    arrival is about zero and may be negative; with ROCENANTE_IB_SIGNAL=completion the proxy stores the arrival
+    word the kernel waits for, and arrival is that hop)
     finish     q's kernel: saw every peer's data -> wrote its last output chunk            GPU clock
     kernel     r's kernel: start -> end                                                    GPU clock
   direct path: arrival (start -> every peer's first chunk seen) and finish, GPU clock; and, in CUDA graphs of
