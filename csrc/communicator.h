@@ -14,6 +14,7 @@
 
 #include "allreduce_args.h"
 #include "device/oneshot_kernel.h"
+#include "host_allreduce.h"
 #include "layout.h"
 #include "transport/transport.h"
 

@@ -20,6 +20,8 @@
 //     single-copy-atomic 64-bit accesses (Arm ARM, "Single-copy atomicity").
 //   - Line halves {data, flag} (int32) and call words are C++ atomics (8 and 4 bytes).
 // Placement order is never relied on: a block is reduced only once every one of its words has arrived.
+#include "host_allreduce.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -28,7 +30,6 @@
 #include <cstring>
 #include <thread>
 
-#include "allreduce_args.h"
 #include "chunk_reduce.h"
 #include "cpu_relax.h"
 

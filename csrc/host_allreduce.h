@@ -1,0 +1,20 @@
+// The CPU path (host_allreduce.cc): the protocol of layout.h run by one host thread, for CPU tensors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "allreduce_args.h"
+
+namespace rocenante {
+
+// True when a signal asks the waiting thread to give up (Ctrl-C); checked at most every few milliseconds.
+using InterruptCheck = bool (*)();
+
+// Runs the whole protocol on the calling thread. `epoch` is this call's number (same on every rank);
+// `reset_span` is span_bytes() of the previous call, whose buffer this call resets (layout.h).
+// Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
+// compute is then poisoned (poison_word).
+uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, size_t reset_span, InterruptCheck interrupted);
+
+}  // namespace rocenante
