@@ -57,7 +57,8 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None,
             capacity = min(capacity, int(capacity_at_most))
         group_s = None if group_timeout is None else group_timeout.total_seconds()
         entry.update(capacity_bytes=capacity, timeout_s=_env.timeout_s(group=group_s),
-                     threshold_bytes=_env.threshold_bytes(device.type, size), net=_env.net())
+                     threshold_bytes=_env.threshold_bytes(device.type, size), net=_env.net(),
+                     signal=_env.ib_signal())
         if device.type == "cpu":
             entry["device"] = "cpu"
         elif device.type == "cuda":
@@ -93,7 +94,7 @@ def disagreement(checks: list) -> Optional[str]:
             return (f"ranks {ranks} share a GPU: their kernels would take turns on it, milliseconds a call, or wait "
                     "for each other forever within one process (call torch.cuda.set_device(local_rank) before "
                     "init_process_group)")
-    for field in ("capacity_bytes", "threshold_bytes", "timeout_s", "net", "strict"):
+    for field in ("capacity_bytes", "threshold_bytes", "timeout_s", "net", "signal", "strict"):
         values = [c[field] for c in checks]
         if len(set(values)) > 1:
             return f"ranks disagree on {field}: {values}"

@@ -230,8 +230,12 @@ def test_strict_raises_on_every_rank_instead_of_falling_back():
          "ROCENANTE_STRICT=1 on rank(s) [0]"),
         ({0: {"ROCENANTE_STRICT": "2"}}, "fell back", "rank 0: ValueError: ROCENANTE_STRICT='2'"),
         ({0: {"ROCENANTE_NET": "tcp"}}, "fell back", "ranks disagree on net: ['tcp', '', '']"),
+        ({2: {"ROCENANTE_IB_SIGNAL": "completion"}}, "fell back",
+         "ranks disagree on signal: ['flag', 'flag', 'completion']"),
+        ({1: {"ROCENANTE_IB_SIGNAL": "imm"}}, "fell back", "rank 1: ValueError: ROCENANTE_IB_SIGNAL='imm'"),
     ],
-    ids=["strict-on-one-rank", "malformed-strict-on-one-rank", "net-on-one-rank"],
+    ids=["strict-on-one-rank", "malformed-strict-on-one-rank", "net-on-one-rank", "signal-on-one-rank",
+         "malformed-signal-on-one-rank"],
 )
 def test_settings_on_one_rank_give_every_rank_the_same_outcome(env_by_rank, outcome, words):
     start = time.monotonic()
