@@ -15,15 +15,14 @@ import torch
 
 import rocenante
 from multiproc import expect_ok, record_figure, run_ranks
-from probes import host_probe
+from probes import MAPS_TOLERANCE, host_probe
 from reference import DTYPES, check_against_float64, make_input, ops_for, sequential_fp32
 
 COMMUNICATOR_CYCLES = 1000
 BACKEND_CYCLES = 100
 WARMUP_CYCLES = 5  # first builds load libraries, start threads and fill allocator pools: not leaks
-# Growth allowed over all the cycles of one kind: none for fds, segments and device mappings; a few mappings
-# (the allocator's arenas); RSS within the allocator's noise.
-MAPS_TOLERANCE = 4
+# Growth allowed over all the cycles of one kind: none for fds, segments and device mappings; MAPS_TOLERANCE
+# mappings; RSS within the allocator's noise.
 RSS_TOLERANCE_KIB = 2 << 10
 
 

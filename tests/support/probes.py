@@ -12,6 +12,11 @@ import torch
 # kernel's 1 KiB of state) from pools that the driver grows in 2 MiB pages and may keep. A leaked region holds
 # several times the capacity (protocol v2 at world 2 and the 4 MiB default: 3 x 4 MiB).
 FREE_BYTES_TOLERANCE = 4 << 20
+# Memory mappings may grow by this many over any number of create/destroy cycles without counting as a leak:
+# glibc maps a new malloc arena (two mappings) for a thread that starts while the previous thread's arena is still
+# attached, and keeps freed thread stacks (a stack and its guard page) mapped for reuse. Both are bounded, while a
+# leak grows with the cycles; device mappings (nvidia, uverbs) and fds are counted exactly.
+MAPS_TOLERANCE = 4
 
 
 def host_probe() -> dict:
