@@ -193,7 +193,7 @@ ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (fl
 // mailbox's ring words (the kernel's) and arrival words (the proxy's) in one line, in 4 of 11 runs of 1,000
 // iterations of calls on two streams a call timed out on both ranks while some threads of the same launch had
 // completed it, and at the timeout its arrival word held the buffer's previous epoch (which only the proxy
-// writes, one epoch after another; benchmarks/results/h200-two-streams-arrival-lost.log). The split alone did not
+// writes, one epoch after another; benchmarks/logs/h200-two-streams-arrival-lost.log). The split alone did not
 // end those timeouts; the kernel also reads such words with a load that refetches cached system-memory lines
 // (wire.cuh, load_polled).
 constexpr size_t kLineBytes = 128;

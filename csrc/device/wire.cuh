@@ -36,8 +36,8 @@ __device__ __forceinline__ void store_line(Line* p, uint32_t d0, uint32_t d1, ui
 // of calls on two streams timed out on both ranks in 2 of 13 runs after the line split (kLineBytes), part of one
 // launch's threads reading, until the timeout, the arrival word (and, in a diagnosis build, the call word and
 // area) as it was three calls earlier, while the launch's other threads had read the call whole
-// (benchmarks/results/h200-two-streams-arrival-lost.log); with .cv, 0 of 21 runs
-// (benchmarks/results/h200-two-streams-cv.log, h200-gpu-suite-398a6a3.log). A host thread's writes and a GPU's
+// (benchmarks/logs/h200-two-streams-arrival-lost.log); with .cv, 0 of 21 runs
+// (benchmarks/logs/h200-two-streams-cv.log, h200-gpu-suite-398a6a3.log). A host thread's writes and a GPU's
 // polls alone showed no stale read (benchmarks/host_line_probe.cu).
 __device__ __forceinline__ void load_polled(const uint32_t* p, uint32_t (&w)[4], bool host) {
   if (host) {
