@@ -23,7 +23,7 @@
 # On 2 x H200 the suite before worlds 3-8 took about 10 minutes (4adb2a6: 585 s, and about 100 s more for the
 # network-path tests): there too, run it in parts.
 # ROCENANTE_PREBUILT=DIR skips the build and imports rocenante from DIR, a `pip install --target DIR` of this tree
-# made elsewhere for that machine's Python (a device lease then spends no minute building; README, GPU tests).
+# made elsewhere for that machine's Python (a device lease then spends no minute building; tests/README.md).
 # stress: test_calls_on_two_streams_execute_in_issue_order[tcp-False] (ranks sharing a GPU: 30-40 s a run that
 # passes, about 130 s one that times out) again and again until SECONDS (default 450) have passed; OUTDIR/stress.log
 # has a line a run, the tail of each failed run's output, and the count. On a lent device machine, build once per

@@ -193,7 +193,7 @@ const bool fork_counter_installed = [] {
 }();
 
 // Open GPU communicators of this process, per device, for the timeout's message: two communicators whose calls
-// reach one GPU in different orders on different ranks can wait for each other (README, "Guarantees").
+// reach one GPU in different orders on different ranks can wait for each other (docs/guarantees.md).
 constexpr int kMaxDevices = 64;
 std::mutex gpu_communicators_mutex;
 int gpu_communicators[kMaxDevices] = {};

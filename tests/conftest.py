@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") is not None or separate:
             world = world_of(item)
             if count == 0:
-                why = "needs a CUDA GPU, this machine has none: GPU tests run on a GPU machine (README, GPU tests)"
+                why = "needs a CUDA GPU, this machine has none: GPU tests run on a GPU machine (tests/README.md)"
                 item.add_marker(pytest.mark.skip(reason=why))
             elif separate and count < world:
                 item.add_marker(pytest.mark.skip(

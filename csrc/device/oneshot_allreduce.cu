@@ -569,7 +569,7 @@ class CudaOneshotKernel final : public OneshotKernel {
   // stream that is stream order, and programmatic dependent launch keeps its overlap. When the stream differs
   // from the previous call's, the new stream first waits for everything enqueued so far on the previous one:
   // between two eager calls, or two calls of one graph capture (forked streams). Between separate graphs, or a
-  // graph and eager calls, no event can express the order: that is the caller's (README, "Guarantees").
+  // graph and eager calls, no event can express the order: that is the caller's (docs/guarantees.md).
   void order_after_previous_call(cudaStream_t stream) {
     if (!previous_stream_ || *previous_stream_ == stream) return;
     cudaStreamCaptureStatus now = cudaStreamCaptureStatusNone, before = cudaStreamCaptureStatusNone;

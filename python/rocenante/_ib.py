@@ -4,7 +4,7 @@ Reads the kernel's view of the RDMA devices from sysfs (/sys/class/infiniband: p
 their types), so that it works, and can be tested, without libibverbs. The C++ transport checks the choice
 again through verbs when it opens the device.
 
-Rules (README, "DGX Spark cluster"):
+Rules (docs/rdma.md, "Choice of device, port and GID"):
   - candidates: the ports listed by ROCENANTE_IB_HCA (else NCCL_IB_HCA), in NCCL's syntax, or else every
     ACTIVE Ethernet (RoCE) port; a listed port that is not ACTIVE, or a listed device that does not exist, is an
     error naming it and the peers it would serve, never a silent fallback;

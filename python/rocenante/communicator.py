@@ -376,7 +376,7 @@ class Communicator:
         return self._c.closed
 
     def close(self) -> None:
-        """Releases the communicator once its own calls have ended (README, "Guarantees": close()). Idempotent.
+        """Releases the communicator once its own calls have ended (docs/guarantees.md: close()). Idempotent.
         In a process forked from the one that built it, releases nothing of the creator's."""
         self._c.close()
 

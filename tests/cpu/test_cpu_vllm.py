@@ -1,5 +1,5 @@
 """The vLLM plugin on CPU processes: the router (vLLM-free) against the reference; and, where vLLM is installed
-(it is not in CI: see README), its plugin loader finding the entry point, register() patching the platform's
+(it is not in CI: see tests/README.md), its plugin loader finding the entry point, register() patching the platform's
 communicator factory (or saying why not), and RocenanteCudaCommunicator routing within vLLM's real class."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_pyproject_declares_the_entry_point():
 
 vllm_needed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import vllm.plugins"], capture_output=True).returncode != 0,
-    reason="vLLM is not installed (its wheel needs a CUDA torch; see README 'vLLM' for the venv the tests ran in)")
+    reason="vLLM is not installed (its wheel needs a CUDA torch; see tests/README.md, 'The vLLM tests', for the venv the tests ran in)")
 
 # A platform that builds vLLM's CudaCommunicator, as CudaPlatform does (which needs libcuda to import).
 FAKE_CUDA_PLATFORM = """

@@ -276,7 +276,7 @@ def test_stopped_peer_during_graph_replays_poisons_outputs_on_both_ranks(net):
     assert detect0 < 2.0 + 1.5, f"rank 0 noticed after {detect0:.2f} s with a 2 s timeout"
     assert kind1 == "PeerTimeoutError", message1
     # Over the network, rank 1's own proxy thread stops with its process, so the kernels it had already launched
-    # wait for data only that proxy could take in: they time out too, naming rank 0 (README, Known problems).
+    # wait for data only that proxy could take in: they time out too, naming rank 0 (docs/guarantees.md, Known limits).
     assert "rank 0 aborted the communicator: a wait for rank(s) 1" in message1 or (
         net and "waiting for rank(s) 0" in message1), message1
 

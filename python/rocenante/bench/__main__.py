@@ -1,6 +1,6 @@
 """python -m rocenante.bench [--device cpu|cuda] [-n RANKS] ...: checks every arm's output, times the arms side by
 side, interleaved and in rotated order, prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib
-is there). The method is described in runner.py and README.md ("Benchmark method")."""
+is there). The method is described in runner.py and benchmarks/README.md ("Method")."""
 
 from __future__ import annotations
 

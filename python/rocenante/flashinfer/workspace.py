@@ -30,8 +30,8 @@ class RocenanteAllReduceWorkspace:
     all-reduces of float32, float16, bfloat16 and int32 contiguous tensors of up to ``max_numel`` elements of
     ``dtype`` (in bytes: any dtype fits as long as the bytes do).
 
-    Unlike FlashInfer's, it is not bound to one stream: rocenante orders calls from any stream itself (README,
-    "Guarantees"), so rebind_stream() has nothing to do; and it has one kernel, so ``max_blocks``, ``profile``,
+    Unlike FlashInfer's, it is not bound to one stream: rocenante orders calls from any stream itself (docs/guarantees.md,
+    "Ordering"), so rebind_stream() has nothing to do; and it has one kernel, so ``max_blocks``, ``profile``,
     ``tune_batches``, ``tune_cache`` and ``ce_slow_hops`` (which size and tune FlashInfer's kernels) are
     accepted and unused, and tune() measures nothing.
     """
