@@ -13,7 +13,7 @@ from rocenante._C import (
 )
 from rocenante.backend import register as _register_backend
 from rocenante.backend import status
-from rocenante.communicator import Communicator
+from rocenante.communicator import Communicator, serves
 from rocenante import ops  # noqa: F401  (defines torch.ops.rocenante.all_reduce)
 
 _register_backend()
@@ -27,6 +27,7 @@ __all__ = [
     "PeerAbortedError",
     "PeerTimeoutError",
     "RocenanteError",
+    "serves",
     "status",
 ]
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
-"""Every ROCENANTE_* environment variable, read in one place."""
+"""Every ROCENANTE_* environment variable, read in one place, and which host this process runs on."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 from rocenante import _C
 
@@ -216,3 +217,14 @@ def ib_gid_index():
     if not raw.isdigit() or int(raw) > 255:
         raise ValueError(f"{name}={raw!r}: use a GID table index, 0..255")
     return int(raw), name
+
+
+def host_id() -> str:
+    """Which machine this process runs on, for every decision that asks whether ranks share a host: the host
+    name and the kernel's boot id, so that two machines sharing a host name are told apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

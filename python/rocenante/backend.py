@@ -28,13 +28,14 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, Work
 from torch.futures import Future
 
-from rocenante import _env, startup
-from rocenante.communicator import _DTYPES, Communicator, _current_raw_stream
+from rocenante import _env, _store, startup
+from rocenante.communicator import Communicator, serves
 
 logger = logging.getLogger("rocenante")
 
-_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}  # what rocenante serves
-_OP_TYPES = {**{name: op for op, name in _OPS.items()}, "product": ReduceOp.PRODUCT}  # the custom op's names
+# The custom op's names (torch.ops.rocenante.all_reduce): what rocenante serves, and product for the delegate.
+_OP_TYPES = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX, "min": ReduceOp.MIN,
+             "product": ReduceOp.PRODUCT}
 
 
 def _stream_of(raw_stream: int, device) -> torch.cuda.Stream:
@@ -66,13 +67,13 @@ class _Work(Work):
     def _raise_fault(self):
         """Raises the communicator's fault if it struck at or before this call (once a graph has replayed
         calls, whose numbers the host does not see, any fault)."""
-        if self._comm is not None and self._comm._c.faulted_by(self._call):
-            self._comm._c.check()
+        if self._comm is not None and self._comm.faulted_by(self._call):
+            self._comm.check()
 
     def wait(self, timeout=None):
         self._raise_fault()
-        device = None if self._comm is None else self._comm.device
-        if device is not None and _current_raw_stream(device.index) != self._raw_stream:
+        if self._comm is not None and self._comm.current_stream() != self._raw_stream:
+            device = self._comm.device
             torch.cuda.current_stream(device).wait_stream(_stream_of(self._raw_stream, device))
         return True
 
@@ -80,7 +81,7 @@ class _Work(Work):
         return self._tensors
 
     def is_completed(self):
-        return self._comm is None or self._comm._c.stream_done(self._raw_stream)
+        return self._comm is None or self._comm.stream_done(self._raw_stream)
 
     def get_future(self):
         if self._comm is None:
@@ -104,8 +105,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         # Every key of this init (the delegates', the self-test's, the communicators') lives under its own
         # generation, so an init on a store an earlier one used (after destroy_process_group) reads none of its keys.
-        ticket = store.add(f"rocenante/{size}/inits", 1)
-        store = dist.PrefixStore(f"rocenante/{size}/{(ticket - 1) // size}/", store)
+        store = dist.PrefixStore(_store.generation(store, f"rocenante/{size}", "inits", size) + "/", store)
         self._fallback = {"cpu": ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)}
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._fallback["cpu"])
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -158,28 +158,21 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     # ---- collectives ----
 
-    def _eligible(self, t: torch.Tensor, op: str | None) -> Communicator | None:
-        """The communicator that serves this all-reduce, or None. Only rank-shared facts decide; a path not
-        started yet starts here, at the same call on every rank."""
+    def _eligible(self, t: torch.Tensor, op) -> Communicator | None:
+        """The communicator that serves this all-reduce, or None: rocenante.serves() up to the agreed threshold.
+        Only rank-shared facts decide; a path not started yet starts here, at the same call on every rank."""
         device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
         if device_type in self._unstarted:
             self._start(device_type)
         comm = self._comms.get(device_type)
-        if (
-            comm is not None
-            and op in _OPS.values()
-            and t.dtype in _DTYPES
-            and not (op == "avg" and t.dtype == torch.int32)
-            and not t.is_sparse
-            and 0 < t.nbytes <= self._status[device_type]["threshold_bytes"]
-        ):
+        if comm is not None and serves(t, op, self._status[device_type]["threshold_bytes"]):
             return comm
         return None
 
     def allreduce(self, tensors, opts=None):
         opts = AllreduceOptions() if opts is None else opts
         t = tensors[0]
-        op = _OPS.get(opts.reduceOp.op)  # the RedOpType enum: ReduceOp objects do not hash by value
+        op = opts.reduceOp.op  # the RedOpType enum: ReduceOp objects do not hash by value
         # A tensor whose elements share memory (expand()) cannot take the result back from a contiguous copy: it
         # goes to the delegate as it is, as with gloo or NCCL alone. A layout fact, alike on every rank.
         single = len(tensors) == 1 and not _overlaps_itself(t)
@@ -193,26 +186,24 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             work.wait()  # the copy back is ordered after it (on the current stream for CUDA tensors)
             _copy_back(t, dense)
             return work
-        if t.is_cuda and t.get_device() != comm._cuda_index:  # only this rank can see it: the peers have started
-            comm._refuse(f"a tensor on {t.device}, this process group's communicator is on {comm.device}")
         stream = comm.current_stream()
-        call = comm._launch(dense, dense, op, stream)  # _eligible checked dtype, device and size; the core
-        if dense is not t:                              # raises this communicator's fault, if any
+        call = comm.issue(dense, op, stream)  # a tensor on another device is refused, telling the peers; the core
+        if dense is not t:                    # raises this communicator's fault, if any
             _copy_back(t, dense)
         return _Work(tensors, comm, stream, call) if t.is_cuda else _Work(tensors)
 
     def _raise_if_broken(self) -> None:
         """Once a communicator of the group has faulted, every collective raises that fault (the first one)."""
         for comm in self._comms.values():
-            comm._c.check()
+            comm.check()
 
     def all_reduce_out_of_place(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
-        comm = self._eligible(x, op)
-        if comm is not None:
-            return comm.all_reduce(x.contiguous(), op=op)
         if op not in _OP_TYPES:
             raise ValueError(f"unsupported op {op!r}: torch.ops.rocenante.all_reduce takes sum, avg, max, min or product")
+        comm = self._eligible(x, _OP_TYPES[op])
+        if comm is not None:
+            return comm.all_reduce(x.contiguous(), op=_OP_TYPES[op])
         out = x.clone(memory_format=torch.contiguous_format)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp(_OP_TYPES[op])

@@ -3,7 +3,6 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from typing import Optional
@@ -11,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rocenante import _C, _env, _ib
+from rocenante import _C, _env, _ib, _store
 
 _DTYPES = {
     torch.float32: _C.DType.float32,
@@ -47,11 +46,34 @@ def _describe(t) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
 
 
-def _lookup_op(op) -> "_C.ReduceOp":
+def _core_op(op) -> "Optional[_C.ReduceOp]":
+    """The core's op for a name, a torch.distributed.ReduceOp or the core's own op; None for any other."""
+    if isinstance(op, _C.ReduceOp):
+        return op
     try:
-        return _OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"unsupported op {op!r}; rocenante supports sum, avg, max and min") from None
+        return _OPS.get(op)
+    except TypeError:  # unhashable
+        return None
+
+
+def _lookup_op(op) -> "_C.ReduceOp":
+    core = _core_op(op)
+    if core is None:
+        raise ValueError(f"unsupported op {op!r}; rocenante supports sum, avg, max and min")
+    return core
+
+
+def serves(x, op="sum", max_bytes: Optional[int] = None) -> bool:
+    """Whether rocenante all-reduces ``x`` with ``op``: a dense torch tensor of float32, float16, bfloat16 or
+    int32 (int32 not with avg) with at least one element and, when ``max_bytes`` is given, at most that many
+    bytes; ``op`` sum, avg, max or min (a name or a ``torch.distributed.ReduceOp``). It reads only what every
+    rank's call shares, so every rank of a collective gets the same answer, and it is the one rule the backend
+    and the plugins serve by. Where ``x`` is and whether it is contiguous are the caller's to handle (a tensor
+    on another device is refused by the call; the backend and the vLLM plugin all-reduce a contiguous copy)."""
+    core = _core_op(op)
+    return (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dtype in _DTYPES and core is not None
+            and not (core == _C.ReduceOp.avg and x.dtype == torch.int32)
+            and x.numel() > 0 and (max_bytes is None or x.numel() * x.element_size() <= max_bytes))
 
 
 # A peer's failure message is shown whatever its bytes, cut at this many characters.
@@ -83,17 +105,6 @@ def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeou
             raise _C.PeerTimeoutError(f"timed out after {timeout_s} s waiting for rank(s) {missing} to {what}")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-
-
-def _host_id() -> str:
-    """Which machine this process runs on: the host name and the kernel's boot id, so that two machines
-    sharing a host name are told apart."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 # A host record is "host|net|nonce" (_choose_net); a host id is at most this long (a host name is <= 64 bytes,
@@ -162,17 +173,8 @@ class Communicator:
         granule = _C.capacity_granule_bytes  # whole groups of int32 lines, twice over (csrc/layout.h)
         self.capacity_bytes = -(-self.capacity_bytes // granule) * granule
         self.timeout_s = _env.timeout_s(timeout_s)
-        # Every rank draws one ticket per communicator of this name and world size; all tickets of one are drawn
-        # before any of the next (each rank must finish this rendezvous first), so they share one generation.
-        base = f"rocenante/{name}/{world_size}"
-        try:
-            ticket = store.add(f"{base}/tickets", 1)
-        except ValueError:  # the store could not count on the value there
-            raise _C.RocenanteError(f"the store's key {base}/tickets holds something other than a count") from None
-        if ticket < 1:
-            raise _C.RocenanteError(f"the store's key {base}/tickets gave ticket {ticket}: something other than "
-                                    "rocenante wrote it")
-        prefix = f"{base}/{(ticket - 1) // world_size}"
+        # Each rank must finish this rendezvous before it builds the next communicator of this name.
+        prefix = _store.generation(store, f"rocenante/{name}/{world_size}", "tickets", world_size)
         self._c = None
         try:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
@@ -214,7 +216,7 @@ class Communicator:
         setting, so all decide alike."""
         if self.world_size == 1:
             return "shm"
-        self._claim(store, f"{prefix}/host/{self.rank}", f"{_host_id()}|{forced}|{id(self)}")
+        self._claim(store, f"{prefix}/host/{self.rank}", f"{_env.host_id()}|{forced}|{id(self)}")
         keys = [f"{prefix}/host/{r}" for r in range(self.world_size)]
         _wait_for_ranks(store, prefix, keys, self.world_size, self.timeout_s, "publish its host")
         hosts, nets = [], []
@@ -275,13 +277,19 @@ class Communicator:
         self._launch(x, out, op, self.current_stream())
         return out
 
+    def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None) -> int:
+        """:meth:`all_reduce` of ``x`` into ``x`` itself on ``stream`` (a raw CUDA stream handle; by default
+        the current stream), checked alike; returns the call's number, for callers that follow their calls one
+        by one (:meth:`faulted_by`, as the backend's Work does)."""
+        self._check(x, x)
+        return self._launch(x, x, op, self.current_stream() if stream is None else stream)
+
     def current_stream(self) -> int:
         """The raw handle of the stream calls are enqueued on: the current CUDA stream (0 on the CPU)."""
         return 0 if self._cuda_index is None else _current_raw_stream(self._cuda_index)
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int) -> int:
-        """The call into the core, for arguments already checked (by all_reduce, or by the backend's dispatch).
-        Returns the call's number."""
+        """The call into the core, for checked arguments. Returns the call's number."""
         return self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
 
     def _all_reduce_cuda_array(self, x, op, out):
@@ -297,24 +305,24 @@ class Communicator:
 
     def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Argument checks. What every rank's call shares (type, dtype) leaves the communicator usable; what
-        only this rank can see goes through _refuse."""
+        only this rank can see goes through refuse."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"all_reduce takes a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"unsupported dtype {x.dtype}; rocenante supports float32, float16, bfloat16 and int32")
         if x.device != self.device:
-            self._refuse(f"a tensor on {x.device}, this communicator is on {self.device}")
+            self.refuse(f"a tensor on {x.device}, this communicator is on {self.device}")
         if not x.is_contiguous():
-            self._refuse("a non-contiguous tensor (call .contiguous() first)")
+            self.refuse("a non-contiguous tensor (call .contiguous() first)")
         if out is None:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
         if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
-            self._refuse(
+            self.refuse(
                 f"an out that does not match the input: out must match the input, got {out.dtype} "
                 f"{tuple(out.shape)} on {out.device}, input {x.dtype} {tuple(x.shape)} on {x.device}"
             )
         if not out.is_contiguous():
-            self._refuse("a non-contiguous out (out must be contiguous)")
+            self.refuse("a non-contiguous out (out must be contiguous)")
         return out
 
     def fuses_add_rmsnorm(self, x, gamma) -> bool:
@@ -353,16 +361,16 @@ class Communicator:
                                ("gamma", gamma, (hidden,))):
             if not isinstance(t, torch.Tensor) or t.device != self.device or t.dtype != x.dtype \
                     or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
-                self._refuse(f"{name} {_describe(t)}: it must be a contiguous {x.dtype} tensor of shape "
+                self.refuse(f"{name} {_describe(t)}: it must be a contiguous {x.dtype} tensor of shape "
                              f"{tuple(shape)} on {self.device}")
         self._c.all_reduce_add_rmsnorm(x.data_ptr(), residual_in.data_ptr(), gamma.data_ptr(),
                                        residual_out.data_ptr(), norm_out.data_ptr(), x.numel(), hidden,
                                        _DTYPES[x.dtype], float(eps), float(weight_bias), self.current_stream())
         return residual_out, norm_out
 
-    def _refuse(self, why: str):
-        """Raises ValueError for a call only this rank refuses; the communicator faults and tells its peers
-        (their side of the call is under way), so every later call raises this error."""
+    def refuse(self, why: str):
+        """Raises ValueError for a call only this rank refuses while its peers may have started it: the
+        communicator faults and tells them at once, naming ``why``, and every later call raises this error."""
         self._c.refuse(why)
 
     def synchronize(self) -> None:
@@ -370,6 +378,20 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._c.check()
+
+    def check(self) -> None:
+        """Raises the fault this communicator met, if any, without waiting for anything."""
+        self._c.check()
+
+    def faulted_by(self, call: int) -> bool:
+        """Whether the fault struck at or before call number ``call`` (from :meth:`issue`); once a graph has
+        replayed calls, whose numbers the host does not see, any fault counts."""
+        return self._c.faulted_by(call)
+
+    def stream_done(self, stream: int) -> bool:
+        """Whether the CUDA stream ``stream`` (a raw handle) has run everything enqueued on it so far; never ask
+        while it captures a graph."""
+        return self._c.stream_done(stream)
 
     @property
     def closed(self) -> bool:

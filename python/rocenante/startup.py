@@ -12,13 +12,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from rocenante import _env
+from rocenante import _env, _store
 from rocenante.communicator import Communicator
 
 # exchange(step, entry) publishes this rank's entry for `step` and returns every rank's entry, in rank order.
@@ -45,7 +44,7 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None,
     CUDA device ("cuda" alone: the current one); `size` the number of ranks; `capacity_at_most` caps
     ROCENANTE_CAPACITY_BYTES (a workspace that never serves more needs no larger region); `group_timeout`, the
     process group's timeout=, bounds every wait unless ROCENANTE_TIMEOUT_S is set."""
-    entry = {"ok": True, "host": socket.gethostname(), "pid": os.getpid()}
+    entry = {"ok": True, "host": _env.host_id(), "pid": os.getpid()}
     try:
         # Every setting that can change the outcome is published, so that every rank decides from the same entries.
         entry["strict"] = _env.strict()
@@ -79,7 +78,7 @@ def disagreement(checks: list) -> Optional[str]:
         return "; ".join(failed)
     hosts = [c["host"] for c in checks]
     if len(set(hosts)) > 1:
-        span = f"ranks span {len(set(hosts))} hosts ({', '.join(sorted(set(hosts)))})"
+        span = f"ranks span {len(set(hosts))} hosts ({', '.join(sorted(h.split('/')[0] for h in set(hosts)))})"
         if len(set(hosts)) < len(hosts) and not _env.net():
             return f"{span}, some with several ranks: mixing shared memory and RDMA is not supported yet (ROCENANTE_NET=ib)"
     gpus = [c.get("gpu") for c in checks]
@@ -150,7 +149,7 @@ def open_agreed(exchange: Exchange, store, rank: int, size: int, device, name: s
             local = {"ok": False, "why": f"{type(err).__name__}: {err}"}
             if comm is not None and not comm.closed:
                 try:  # the peers may be inside a self-test call this rank will not make: tell them
-                    comm._refuse(f"the startup self-test ({local['why']})")
+                    comm.refuse(f"the startup self-test ({local['why']})")
                 except ValueError:
                     pass
         failed = [f"rank {r}: {x['why']}" for r, x in enumerate(exchange("result", local)) if not x["ok"]]
@@ -196,7 +195,5 @@ def rendezvous_on_group(group, label: str) -> Rendezvous:
 
     store = dist.distributed_c10d._world.pg_map[group][1]
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    # One ticket per rank and opening; all tickets of one opening are drawn before any of the next.
-    ticket = store.add(f"rocenante/{label}/{size}/opened", 1)
-    store = dist.PrefixStore(f"rocenante/{label}/{size}/{(ticket - 1) // size}/", store)
+    store = dist.PrefixStore(_store.generation(store, f"rocenante/{label}/{size}", "opened", size) + "/", store)
     return Rendezvous(store, rank, size, store_exchange(store, "agree", rank, size, _exchange_timeout()))

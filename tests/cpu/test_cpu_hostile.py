@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rocenante
-from rocenante import _C, communicator
+from rocenante import _C, _env
 from multiproc import expect_ok, run_ranks
 
 CAPACITY = 4096
@@ -156,7 +156,7 @@ def store(tmp_path_factory):
 def test_fuzz_rendezvous_never_crashes(store, key, value):
     name = f"fuzz{next(_names)}"
     if key != "host":  # the peer's host record comes first: a well-formed one, this host's
-        store.set(f"rocenante/{name}/2/0/host/1", f"{communicator._host_id()}||peer")
+        store.set(f"rocenante/{name}/2/0/host/1", f"{_env.host_id()}||peer")
     store.set(f"rocenante/{name}/2/0/{key}/1", value)
     start = time.monotonic()
     with pytest.raises(rocenante.RocenanteError) as err:

@@ -163,9 +163,9 @@ def test_traffic_class_and_service_level_ours_win_over_nccls(monkeypatch):
 
 def _build_with_host(store, rank, world, hosts, nets):
     import rocenante
-    from rocenante import communicator
+    from rocenante import _env
 
-    communicator._host_id = lambda: hosts[rank]
+    _env.host_id = lambda: hosts[rank]
     if nets[rank]:
         os.environ["ROCENANTE_NET"] = nets[rank]
     try:

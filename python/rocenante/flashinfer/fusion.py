@@ -232,7 +232,7 @@ def allreduce_fusion(
         raise ValueError("kARResidualRMSNorm needs residual_in and rms_gamma")
     # What the tensors are only this rank can see, and its peers may be in the call already: a check that fails
     # refuses the call, which tells them at once (the workspace is faulted on every rank).
-    refuse = comm._alive()._refuse
+    refuse = comm._alive().refuse
     if input.device != comm.device:
         refuse(f"input is on {input.device} but the workspace was built on {comm.device}")
     if not input.is_contiguous():

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from rocenante import _C, startup
-from rocenante.communicator import _DTYPES
+from rocenante.communicator import serves
 
 # FlashInfer's defaults for the arguments that shape its own kernels (flashinfer/comm/pcie_ipc_collectives/
 # _constants.py AR_MAX_BLOCKS, pcie_ipc_tuning.py TUNE_WARMUP / TUNE_REPEAT), repeated so that the signatures
@@ -20,6 +20,11 @@ _FLASHINFER_TUNE_REPEAT = 50
 
 # What prepare() says serves a supported shape (FlashInfer names one of its launch configurations there).
 ONESHOT = "rocenante-oneshot"
+
+
+def _serves_shape(shape, dtype, max_bytes) -> bool:
+    """rocenante.serves() for a sum all-reduce of this shape and dtype, asked of a tensor without memory."""
+    return isinstance(dtype, torch.dtype) and serves(torch.empty(shape, dtype=dtype, device="meta"), "sum", max_bytes)
 
 
 class RocenanteAllReduceWorkspace:
@@ -71,7 +76,7 @@ class RocenanteAllReduceWorkspace:
         else:  # CPU processes (rocenante's shared-memory path): what the CPU tests run
             self.device = torch.device("cpu")
         # Bad arguments are reported through the agreement, so that every rank raises.
-        if refusal is None and dtype not in _DTYPES:
+        if refusal is None and not _serves_shape((1,), dtype, None):
             refusal = f"dtype {dtype} (rocenante supports float32, float16, bfloat16 and int32)"
         if refusal is None and self.max_numel <= 0:
             refusal = f"max_numel={max_numel} (must be positive)"
@@ -89,18 +94,13 @@ class RocenanteAllReduceWorkspace:
         return self._comm
 
     def supports(self, inp: torch.Tensor) -> bool:
-        """Whether rocenante can all-reduce ``inp``: dtype, contiguity and size (rank-shared facts only). A tensor
-        on another device raises ValueError: that is a caller's bug, and answering False would send this rank
-        alone to another backend."""
+        """Whether rocenante can all-reduce ``inp``: rocenante.serves() up to the workspace's size, and as
+        FlashInfer's, contiguous with at least one dimension (rank-shared facts only). A tensor on another device
+        raises ValueError: that is a caller's bug, and answering False would send this rank alone to another
+        backend."""
         if inp.device != self.device:
             raise ValueError(f"input is on {inp.device} but the workspace was built on {self.device}")
-        return (
-            self._comm is not None
-            and inp.dtype in _DTYPES
-            and inp.is_contiguous()
-            and inp.dim() > 0
-            and 0 < inp.numel() * inp.element_size() <= self.max_bytes
-        )
+        return self._comm is not None and serves(inp, "sum", self.max_bytes) and inp.is_contiguous() and inp.dim() > 0
 
     def all_reduce(self, inp: torch.Tensor, *, out: Optional[torch.Tensor] = None, config=None,
                    enable_pdl: bool = False) -> torch.Tensor:
@@ -112,9 +112,9 @@ class RocenanteAllReduceWorkspace:
                              "kernel: pass config=None")
         comm = self._alive()
         if inp.device != self.device:  # only this rank can see it: its peers learn of it at once (they fault too)
-            comm._refuse(f"input is on {inp.device} but the workspace was built on {self.device}")
+            comm.refuse(f"input is on {inp.device} but the workspace was built on {self.device}")
         if not self.supports(inp):  # this rank's shape: refused on every rank too
-            comm._refuse(f"unsupported shape {tuple(inp.shape)} dtype {inp.dtype} at {self.world_size} ranks "
+            comm.refuse(f"unsupported shape {tuple(inp.shape)} dtype {inp.dtype} at {self.world_size} ranks "
                          f"(capacity {self.max_bytes} bytes); check supports() first")
         return comm.all_reduce(inp, out=out)  # an `out` that does not match is refused the same way
 
@@ -122,9 +122,7 @@ class RocenanteAllReduceWorkspace:
                 ) -> Dict[Tuple[int, int], Optional[str]]:
         """{(batch, hidden): ONESHOT, or None where the shape does not fit}. Nothing needs resolving before a
         graph capture: every supported shape can be captured at any time."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        fits = dtype in _DTYPES
-        return {(int(b), int(h)): ONESHOT if fits and 0 < b * h * esize <= self.max_bytes else None
+        return {(int(b), int(h)): ONESHOT if _serves_shape((int(b), int(h)), dtype, self.max_bytes) else None
                 for b, h in shapes}
 
     def tune(self, hiddens: Sequence[int], *, dtype: torch.dtype = torch.bfloat16, cache: Optional[str] = None,

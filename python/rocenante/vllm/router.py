@@ -8,12 +8,12 @@ from typing import Optional
 import torch
 
 from rocenante import startup
-from rocenante.communicator import _DTYPES, Communicator
+from rocenante.communicator import Communicator, serves
 
 
 class AllReduceRouter:
-    """Serves the sum all-reduces of a vLLM tensor-parallel group ("tp", as vLLM's own one-shot backends) whose
-    dtype rocenante supports and whose size is at most the threshold (ROCENANTE_THRESHOLD_BYTES, as the
+    """Serves the sum all-reduces of a vLLM tensor-parallel group ("tp", as vLLM's own one-shot backends) that
+    rocenante.serves() accepts up to the threshold (ROCENANTE_THRESHOLD_BYTES, as the
     torch.distributed backend's: beyond it NCCL is faster); returns None for the others, which the caller sends
     to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed by every rank at start()."""
 
@@ -39,10 +39,10 @@ class AllReduceRouter:
 
     def all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The sum over the group's ranks, as a new tensor; None when rocenante does not serve this call. Only
-        what every rank shares (dtype, size) decides; a tensor on another device than the communicator's is
+        what every rank shares (rocenante.serves: dtype, size, layout) decides; a tensor on another device than the communicator's is
         refused by the communicator, which faults every rank naming it (never a different path on one rank)."""
         comm = self.comm
-        if comm is None or x.dtype not in _DTYPES or not 0 < x.numel() * x.element_size() <= self.threshold_bytes:
+        if comm is None or not serves(x, "sum", self.threshold_bytes):
             return None
         return comm.all_reduce(x if x.is_contiguous() else x.contiguous())
 
