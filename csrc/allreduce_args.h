@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "fault.h"
 #include "layout.h"
 #include "timeline.h"
 

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "errors.h"
+#include "fault.h"
 #include "watchdog.h"
 
 namespace rocenante {

@@ -32,6 +32,7 @@
 
 #include "chunk_reduce.h"
 #include "cpu_relax.h"
+#include "fault.h"
 
 namespace rocenante {
 namespace {

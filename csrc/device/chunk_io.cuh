@@ -6,6 +6,7 @@
 
 #include "../allreduce_args.h"
 #include "../chunk_reduce.h"
+#include "../fault.h"
 #include "wire.cuh"
 
 namespace rocenante {

@@ -35,6 +35,7 @@
 
 #include "../chunk_reduce.h"
 #include "../cuda_check.h"
+#include "../fault.h"
 #include "chunk_io.cuh"
 #include "clock_offset.h"
 #include "oneshot_kernel.h"

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "../allreduce_args.h"
+#include "../fault.h"
 
 namespace rocenante {
 

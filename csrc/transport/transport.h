@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../device/oneshot_kernel.h"
+#include "../fault.h"
 #include "../layout.h"
 
 namespace rocenante {
