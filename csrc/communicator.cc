@@ -1,8 +1,6 @@
 #include "communicator.h"
 
-#include <poll.h>
 #include <pthread.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <future>
 #include <thread>
 
@@ -85,41 +82,9 @@ std::string protocol_name(uint32_t magic) {
   return name;
 }
 
-// Which process a rank is, so that its peers' watchdogs can see it end: the pid and the process's start time
-// (clock ticks since boot, /proc/PID/stat field 22), which tells a reused pid or another pid namespace apart.
-struct Identity {
-  int64_t pid;
-  uint64_t start_time;
-};
-static_assert(sizeof(Identity) == 16, "Identity travels as raw bytes: no implicit padding");
-static_assert(sizeof(Config) + sizeof(Identity) == kHandleHeaderBytes,
+static_assert(sizeof(ProcessIdentity) == 16, "ProcessIdentity travels as raw bytes: no implicit padding");
+static_assert(sizeof(Config) + sizeof(ProcessIdentity) == kHandleHeaderBytes,
               "communicator.h says where the transport's part starts");
-
-uint64_t process_start_time(int64_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  std::getline(f, stat);
-  const size_t end_of_name = stat.rfind(')');  // the name may hold spaces and parentheses
-  if (end_of_name == std::string::npos) return 0;
-  size_t pos = end_of_name + 2;  // field 3 (state) starts here; field 22 is 19 fields further
-  for (int field = 3; field < 22 && pos != std::string::npos; ++field) pos = stat.find(' ', pos) + 1;
-  return pos == 0 || pos == std::string::npos ? 0 : std::strtoull(stat.c_str() + pos, nullptr, 10);
-}
-
-// A pidfd for the peer's process, or -1 when it cannot be watched (not in our pid namespace, an old kernel):
-// then only the timeout bounds the wait for it.
-int open_pidfd(const Identity& peer) {
-#ifndef SYS_pidfd_open
-  constexpr long SYS_pidfd_open = 434;  // the same number on every Linux architecture
-#endif
-  const int fd = int(syscall(SYS_pidfd_open, pid_t(peer.pid), 0));
-  if (fd < 0) return -1;
-  if (peer.start_time == 0 || process_start_time(peer.pid) != peer.start_time) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
 
 // Sets `bytes` of host memory at `begin` to dtype's poison (poison_word()).
 void poison_host(char* begin, size_t bytes, DType dtype) {
@@ -132,7 +97,7 @@ constexpr int64_t kMaxPid = int64_t(1) << 22;
 
 // Rank p's handle, as read from the store: anything may have written it, so every field is checked before
 // it is used. Fills `peer` and returns the transport's part (which the transport checks in turn).
-std::string parse_handle(int p, const std::string& handle, const Config& mine, Identity& peer) {
+std::string parse_handle(int p, const std::string& handle, const Config& mine, ProcessIdentity& peer) {
   const std::string rank = "rank " + std::to_string(p);
   uint32_t magic = 0;
   if (handle.size() >= sizeof(magic)) std::memcpy(&magic, handle.data(), sizeof(magic));
@@ -142,7 +107,7 @@ std::string parse_handle(int p, const std::string& handle, const Config& mine, I
   if (magic != kConfigMagic)
     ROCENANTE_THROW(Error, rank + " runs another rocenante version (protocol " + protocol_name(magic) + ", this rank " +
                                protocol_name(kConfigMagic) + ")");
-  if (handle.size() < sizeof(Config) + sizeof(Identity))
+  if (handle.size() < sizeof(Config) + sizeof(ProcessIdentity))
     ROCENANTE_THROW(Error, rank + " published a truncated handle of " + std::to_string(handle.size()) + " bytes");
   Config theirs{};
   std::memcpy(&theirs, handle.data(), sizeof(theirs));
@@ -156,10 +121,10 @@ std::string parse_handle(int p, const std::string& handle, const Config& mine, I
   };
   if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0)
     ROCENANTE_THROW(Error, rank + " is configured differently: " + describe(theirs) + "; this rank: " + describe(mine));
-  std::memcpy(&peer, handle.data() + sizeof(Config), sizeof(Identity));
+  std::memcpy(&peer, handle.data() + sizeof(Config), sizeof(ProcessIdentity));
   if (peer.pid <= 0 || peer.pid > kMaxPid)
     ROCENANTE_THROW(Error, rank + " published an impossible process id " + std::to_string(peer.pid));
-  return handle.substr(sizeof(Config) + sizeof(Identity));
+  return handle.substr(sizeof(Config) + sizeof(ProcessIdentity));
 }
 
 // The root cause a peer's abort word carries (abort_cause()).
@@ -230,8 +195,8 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
                            Signal signal)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kDirect ? Signal::kFlag : signal),
-      issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch), pidfds_(world, -1),
-      creator_pid_(getpid()),
+      issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch),
+      peer_processes_(world), creator_pid_(getpid()),
       forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
   if (!fork_counter_installed) ROCENANTE_THROW(Error, "pthread_atfork failed: forked children could not be told apart");
   if (world < 1 || world > kMaxRanks)
@@ -287,7 +252,7 @@ Communicator::~Communicator() { close(); }
 std::string Communicator::local_handle() const {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
-  const Identity me{getpid(), process_start_time(getpid())};
+  const ProcessIdentity me = this_process();
   return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) +
          std::string(reinterpret_cast<const char*>(&me), sizeof(me)) + transport_->local_handle();
 }
@@ -298,7 +263,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
   const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
   std::vector<std::string> transport_handles(world_);
-  std::vector<Identity> peers(world_);
+  std::vector<ProcessIdentity> peers(world_);
   for (int p = 0; p < world_; ++p) {
     if (p == rank_ && handles[p] != local_handle())
       ROCENANTE_THROW(Error, "rank " + std::to_string(p) + ": the store holds another handle under this rank's key");
@@ -309,7 +274,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   }
   transport_->connect(transport_handles);
   for (int p = 0; p < world_; ++p)
-    if (p != rank_) pidfds_[p] = open_pidfd(peers[p]);
+    if (p != rank_) peer_processes_.watch(p, peers[p]);
 }
 
 void Communicator::all_connected() {
@@ -579,12 +544,9 @@ void Communicator::report(const std::string& what) {
 void Communicator::watch() {
   std::shared_lock<std::shared_mutex> alive(lifetime_);
   if (transport_ == nullptr) return;
+  const uint32_t ended = peer_processes_.ended();
   for (int p = 0; p < world_; ++p) {
-    if (pidfds_[p] < 0) continue;
-    pollfd fd{pidfds_[p], POLLIN, 0};
-    if (poll(&fd, 1, 0) <= 0) continue;  // still running
-    ::close(pidfds_[p]);
-    pidfds_[p] = -1;
+    if (!(ended & (1u << p))) continue;
     // Not a fault yet: a peer may end after its last call. Every wait for it from now on stops and faults;
     // waits for the other peers go on. Not over a fault of this rank's own, which says more.
     exited_ |= 1u << p;
@@ -761,8 +723,7 @@ void Communicator::close() {
     Releaser::instance().release(std::move(transport_), std::move(kernel_));
   }
   transport_.reset();  // a CPU communicator's: shared memory, no CUDA
-  for (int& fd : pidfds_)
-    if (fd >= 0) ::close(fd), fd = -1;
+  peer_processes_.close();
 }
 
 }  // namespace rocenante

@@ -17,6 +17,7 @@
 #include "host_allreduce.h"
 #include "layout.h"
 #include "transport/transport.h"
+#include "watchdog.h"
 
 namespace rocenante {
 
@@ -36,7 +37,7 @@ constexpr uint32_t kConfigMagic = 0x524f4337;  // "ROC7": bump when the protocol
 constexpr size_t kConfigBytes = 32;
 constexpr size_t kHandleHeaderBytes = 48;
 
-class Communicator {
+class Communicator : public Watched {
  public:
   // Longest wait for a peer, in seconds (about 31.7 years); longer timeouts, infinity included, are clamped to
   // it: in nanoseconds, added to any clock the waits read (%globaltimer counts from 1970), it cannot overflow.
@@ -87,8 +88,8 @@ class Communicator {
   // child it releases nothing (the creator's).
   void close();
 
-  // For the watchdog thread (watchdog.h): reads the peers' process handles and the kernel's fault record.
-  void watch();
+  // For the watchdog thread (watchdog.h): asks which peers' processes ended, reads the kernel's fault record.
+  void watch() override;
 
   // True after close(), and after a fault.
   bool closed() const { return transport_ == nullptr || fault_.load() != 0; }
@@ -178,7 +179,7 @@ class Communicator {
   std::atomic<uint32_t> fault_epoch_{0};
   std::string message_;                    // the fault in words, once known
   std::atomic<bool> reported_{false};
-  std::vector<int> pidfds_;   // one per peer whose process the watchdog can watch, else -1
+  PeerProcesses peer_processes_;  // the peers' processes, watched by watch()
   uint32_t exited_ = 0;       // peers whose process the watchdog saw end (kPeersExited)
   int64_t creator_pid_;       // the process that built this communicator
   uint32_t forks_at_creation_;  // forks counted in this process then (in_forked_child())

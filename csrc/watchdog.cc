@@ -1,13 +1,18 @@
 #include "watchdog.h"
 
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
-
-#include "communicator.h"
 
 namespace rocenante {
 namespace {
@@ -18,8 +23,8 @@ namespace {
 struct Registry {
   std::mutex mutex;
   std::condition_variable watched;  // `watching` went back to null
-  std::vector<Communicator*> comms;
-  Communicator* watching = nullptr;  // inside watch() now, outside the mutex
+  std::vector<Watched*> comms;
+  Watched* watching = nullptr;  // inside watch() now, outside the mutex
   bool running = false;
 };
 
@@ -31,13 +36,13 @@ Registry& registry() {
 
 void run() {
   Registry& r = registry();
-  std::vector<Communicator*> round;
+  std::vector<Watched*> round;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(r.mutex);
       round = r.comms;
     }
-    for (Communicator* c : round) {
+    for (Watched* c : round) {
       {
         std::lock_guard<std::mutex> lock(r.mutex);
         if (std::find(r.comms.begin(), r.comms.end(), c) == r.comms.end()) continue;  // removed meanwhile
@@ -54,9 +59,35 @@ void run() {
   }
 }
 
+uint64_t process_start_time(int64_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  std::getline(f, stat);
+  const size_t end_of_name = stat.rfind(')');  // the name may hold spaces and parentheses
+  if (end_of_name == std::string::npos) return 0;
+  size_t pos = end_of_name + 2;  // field 3 (state) starts here; field 22 is 19 fields further
+  for (int field = 3; field < 22 && pos != std::string::npos; ++field) pos = stat.find(' ', pos) + 1;
+  return pos == 0 || pos == std::string::npos ? 0 : std::strtoull(stat.c_str() + pos, nullptr, 10);
+}
+
+// A pidfd for the process, or -1 when it cannot be watched (not in our pid namespace, an old kernel): then only
+// the timeout bounds the wait for it.
+int open_pidfd(const ProcessIdentity& process) {
+#ifndef SYS_pidfd_open
+  constexpr long SYS_pidfd_open = 434;  // the same number on every Linux architecture
+#endif
+  const int fd = int(syscall(SYS_pidfd_open, pid_t(process.pid), 0));
+  if (fd < 0) return -1;
+  if (process.start_time == 0 || process_start_time(process.pid) != process.start_time) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 }  // namespace
 
-void Watchdog::add(Communicator* comm) {
+void Watchdog::add(Watched* comm) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.comms.push_back(comm);
@@ -66,11 +97,33 @@ void Watchdog::add(Communicator* comm) {
   }
 }
 
-void Watchdog::remove(Communicator* comm) {
+void Watchdog::remove(Watched* comm) {
   Registry& r = registry();
   std::unique_lock<std::mutex> lock(r.mutex);
   r.comms.erase(std::remove(r.comms.begin(), r.comms.end(), comm), r.comms.end());
   r.watched.wait(lock, [&] { return r.watching != comm; });
+}
+
+ProcessIdentity this_process() { return {getpid(), process_start_time(getpid())}; }
+
+void PeerProcesses::watch(int peer, const ProcessIdentity& process) { pidfds_[peer] = open_pidfd(process); }
+
+uint32_t PeerProcesses::ended() {
+  uint32_t ended = 0;
+  for (int p = 0; p < int(pidfds_.size()); ++p) {
+    if (pidfds_[p] < 0) continue;
+    pollfd fd{pidfds_[p], POLLIN, 0};
+    if (poll(&fd, 1, 0) <= 0) continue;  // still running
+    ::close(pidfds_[p]);
+    pidfds_[p] = -1;
+    ended |= 1u << p;
+  }
+  return ended;
+}
+
+void PeerProcesses::close() {
+  for (int& fd : pidfds_)
+    if (fd >= 0) ::close(fd), fd = -1;
 }
 
 }  // namespace rocenante
