@@ -232,7 +232,12 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   } else {
     std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths, signal_)
                                                  : make_tcp_wire(rank, layout_, signal_);
-    transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), kernel_.get(), timeline_.get(), proxy_spin_s);
+    MapHost map_host;  // empty: the host loop reduces
+    if (kernel_ != nullptr)
+      map_host = [kernel = kernel_.get()](void* host, size_t bytes, void*& address) {
+        return kernel->map_host(host, bytes, address);
+      };
+    transport_ = make_proxy(rank, layout_, first_epoch_, std::move(wire), map_host, timeline_.get(), proxy_spin_s);
     network_ = ((1u << world) - 1) & ~(1u << rank);
   }
   // Every direct peer's region is stored to; the network peers share one image, in which this rank's area has

@@ -23,7 +23,7 @@
 //            thread stops. A connection that closed is no failure by itself (a peer closes after its last call):
 //            it becomes one when this rank was rung for a call the closed peer has not delivered.
 // The reducer's address space: the host's for the host loop; for a kernel the wire's region and image and the
-// mailbox are pinned and mapped (OneshotKernel::map_host), and the thread keeps using the host addresses.
+// mailbox are pinned and mapped (MapHost, transport.h), and the thread keeps using the host addresses.
 #include <sys/mman.h>
 #include <sys/prctl.h>
 
@@ -58,10 +58,9 @@ void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
 
 class Proxy final : public Transport {
  public:
-  Proxy(int rank, const RegionLayout& layout, uint32_t first_epoch, std::unique_ptr<Wire> wire, OneshotKernel* kernel,
+  Proxy(int rank, const RegionLayout& layout, uint32_t first_epoch, std::unique_ptr<Wire> wire, const MapHost& map_host,
         Timeline* timeline, double spin_s)
-      : rank_(rank), layout_(layout), first_epoch_(first_epoch), wire_(std::move(wire)), kernel_(kernel),
-        timeline_(timeline),
+      : rank_(rank), layout_(layout), first_epoch_(first_epoch), wire_(std::move(wire)), timeline_(timeline),
         spin_(std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(spin_s))) {
     void* page = mmap(nullptr, sizeof(Mailbox), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (page == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
@@ -74,13 +73,13 @@ class Proxy final : public Transport {
       image_ = wire_->peer_region(rank == 0 ? 1 : 0);
       mapped_mailbox_ = mailbox_;
       flags_ = arrival_flags(region_);  // the host's address, before region_ becomes the reducer's
-      if (kernel_ != nullptr) {
+      if (map_host) {
         void* address = nullptr;
-        mappings_[0] = kernel_->map_host(region_, layout_.region_bytes(), address);
+        mappings_[0] = map_host(region_, layout_.region_bytes(), address);
         region_ = static_cast<uint32_t*>(address);
-        mappings_[1] = kernel_->map_host(image_, layout_.region_bytes(), address);
+        mappings_[1] = map_host(image_, layout_.region_bytes(), address);
         image_ = static_cast<uint32_t*>(address);
-        mappings_[2] = kernel_->map_host(mailbox_, sizeof(Mailbox), address);
+        mappings_[2] = map_host(mailbox_, sizeof(Mailbox), address);
         mapped_mailbox_ = static_cast<Mailbox*>(address);
       }
       arrivals_ = wire_->signal_mode() == Signal::kCompletion ? &mapped_mailbox_->arrived[0][0] : arrival_flags(region_);
@@ -238,7 +237,6 @@ class Proxy final : public Transport {
   RegionLayout layout_;
   uint32_t first_epoch_;
   std::unique_ptr<Wire> wire_;
-  OneshotKernel* kernel_;
   Timeline* timeline_;  // timeline builds only
   const std::chrono::steady_clock::duration spin_;  // hot polling after the last work
   Mailbox* mailbox_ = nullptr;         // host address, the thread's
@@ -257,9 +255,9 @@ class Proxy final : public Transport {
 }  // namespace
 
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
-                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline,
+                                      std::unique_ptr<Wire> wire, const MapHost& map_host, Timeline* timeline,
                                       double spin_s) {
-  return std::make_unique<Proxy>(rank, layout, first_epoch, std::move(wire), kernel, timeline, spin_s);
+  return std::make_unique<Proxy>(rank, layout, first_epoch, std::move(wire), map_host, timeline, spin_s);
 }
 
 std::string transport_status(uint32_t status) {

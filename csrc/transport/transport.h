@@ -9,13 +9,15 @@
 //   4. all_connected(): every rank has connected; drop what only connecting needed (e.g. names).
 #pragma once
 
+#include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "../device/oneshot_kernel.h"
 #include "../fault.h"
 #include "../layout.h"
+#include "../timeline.h"
 
 namespace rocenante {
 
@@ -129,13 +131,16 @@ std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, co
 // delivery's segments are placed in random order, 16-bit half by half, so that a format relying on placement
 // order or word atomicity fails its tests. The region and image are host memory.
 std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout, Signal signal);
-// Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `kernel` null: the host
-// loop reduces in host memory; else the wire's region and image and the mailbox are mapped for that kernel.
+// Maps host memory [host, host + bytes) for a kernel (OneshotKernel::map_host, device/oneshot_kernel.h): its
+// device address in `device_address`; the mapping lasts as long as the returned handle.
+using MapHost = std::function<std::shared_ptr<void>(void* host, size_t bytes, void*& device_address)>;
+// Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `map_host` empty: the host
+// loop reduces in host memory; else a kernel does, for which it maps the wire's region and image and the mailbox.
 // `timeline`: timeline builds only (timeline.h), where the proxy records its events; else null. The reducers'
 // calls are numbered from `first_epoch`. The proxy thread polls hot for `spin_s` after its last work (a core
 // while it does), then naps between polls (proxy.cc).
 std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint32_t first_epoch,
-                                      std::unique_ptr<Wire> wire, OneshotKernel* kernel, Timeline* timeline,
+                                      std::unique_ptr<Wire> wire, const MapHost& map_host, Timeline* timeline,
                                       double spin_s);
 // How long a proxy polls hot by default (ROCENANTE_PROXY_SPIN_S): longer than any pause between a serving
 // engine's decode steps, so that no call of one pays a thread's wake-up.
