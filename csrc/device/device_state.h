@@ -1,0 +1,41 @@
+// What the one-shot kernel (oneshot_allreduce.cu) and its host-side launcher (launch.cc) share: the state the
+// kernel keeps between launches, which the launcher allocates, and the kernels' addresses, by which the launcher
+// launches them without compiling device code.
+#pragma once
+
+#include <cstdint>
+
+#include "../fault.h"
+#include "../layout.h"
+
+namespace rocenante {
+
+// Most CTAs one launch may use; the launch shape also keeps every CTA resident at once (launch.cc, launch_bounds()).
+constexpr int kMaxBlocks = 1024;
+
+// Per-communicator state the kernel keeps on the device between launches, so that a captured CUDA graph
+// replays correctly: nothing per call comes from the host except the launch parameters.
+struct DeviceState {
+  // The call counter, one copy per CTA index. CTA b reads epochs[b] when it starts and, when it ends, writes
+  // epoch+1 to every copy j with j % gridDim == b. Every copy is thus advanced exactly once per call, by the
+  // only CTA that reads it, so all copies stay equal without any synchronisation between CTAs.
+  uint32_t* epochs;
+  int copies;  // epoch copies in use: the most CTAs a launch of this communicator has
+  // Device word, never cleared: kFaulted | kNotATimeout? (oneshot_allreduce.cu) | bit mask of peers a thread
+  // gave up on. Threads poll it at their timer reads; a launch that finds it set poisons its whole output.
+  uint32_t* fault_mask;
+  // spans[b]: span_bytes() of the last call that used buffer b, which the next call resets (layout.h).
+  uint32_t* spans;
+  // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
+  FaultRecord* record;
+  // Network peers: CTAs of this launch that have finished their stores into the images, and those of them
+  // that sent nothing (oneshot_allreduce.cu, ring_doorbell()).
+  uint32_t* sent;
+};
+
+// The kernel that serves calls of `dtype` and `op` at `world` (fused: with the add + RMSNorm epilogue), as
+// cudaLaunchKernelExC and the occupancy queries take it; nullptr where there is none (int32 avg; a fused call
+// that is not a sum of a float dtype).
+const void* oneshot_kernel_entry(DType dtype, ReduceOp op, int world, bool fused);
+
+}  // namespace rocenante
