@@ -1,7 +1,7 @@
 // Does a GPU that stored into a line of mapped host memory later read that line as a host thread wrote it? The
 // kernel resets (kEmpty, system-scope stores) the call words and areas of its region, which in host memory a
 // wire's host thread then writes; in some runs of the two-streams test over the TCP wire part of a launch's
-// threads kept reading words as they were three calls earlier (wire.cuh, load_polled). On one H200 this probe
+// threads kept reading words as they were three calls earlier (memory_order.cuh, load_polled). On one H200 this probe
 // found no stale read, with or without the store (benchmarks/logs/h200-two-streams-cv.log). Per round, every
 // thread of the grid owns 16 bytes of pinned, mapped host memory, each on a 128-byte line of its own:
 //   1. `stored`: the thread stores kEmpty into its 16 bytes (st.relaxed.sys.v4, as the reset does) or, in the

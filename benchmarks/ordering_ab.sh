@@ -8,8 +8,8 @@ set -euo pipefail
 out=${1:?usage: ordering_ab.sh OUTDIR [alternations]}
 relaxed_src=$(mktemp -d)
 cp -r CMakeLists.txt pyproject.toml README.md LICENSE csrc python "$relaxed_src"
-sed -i -E 's/\.(acquire|release)\.(gpu|sys)/.relaxed.\2/g' "$relaxed_src/csrc/device/wire.cuh"
-grep -q -E '\.(acquire|release)\.' "$relaxed_src/csrc/device/wire.cuh" && { echo "sed left an ordered access" >&2; exit 1; }
+sed -i -E 's/\.(acquire|release)\.(gpu|sys)/.relaxed.\2/g' "$relaxed_src/csrc/device/memory_order.cuh"
+grep -q -E '\.(acquire|release)\.' "$relaxed_src/csrc/device/memory_order.cuh" && { echo "sed left an ordered access" >&2; exit 1; }
 AB_BENCH_ARGS="--arms rocenante --modes graph --dtypes bfloat16 --min-bytes 1K --max-bytes 1M --size-factor 32 --rounds 15" \
-AB_METHOD="'relaxed': every .acquire/.release of csrc/device/wire.cuh made .relaxed${BASELINE_SRC:+; 'baseline': another tree}" \
+AB_METHOD="'relaxed': every .acquire/.release of csrc/device/memory_order.cuh made .relaxed${BASELINE_SRC:+; 'baseline': another tree}" \
   exec "$(dirname "$0")/ab.sh" "$out" "${2:-5}" ordered=. relaxed="$relaxed_src" ${BASELINE_SRC:+baseline="$BASELINE_SRC"}

@@ -74,32 +74,32 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_ibverbs") = rocenante::kWithIbverbs;
 
   // The wire format of layout.h, for tests that play a peer by writing a region by hand.
-  auto wire = m.def_submodule("wire", "offsets and words of csrc/layout.h (protocol v2)");
-  wire.attr("header_bytes") = rocenante::kHeaderBytes;
-  wire.attr("empty") = rocenante::kEmpty;
-  wire.def("buffer_of", &rocenante::buffer_of, py::arg("epoch"));
-  wire.def("call_word_offset", [](int buffer, int source) {
+  auto layout = m.def_submodule("layout", "offsets and words of csrc/layout.h");
+  layout.attr("header_bytes") = rocenante::kHeaderBytes;
+  layout.attr("empty") = rocenante::kEmpty;
+  layout.def("buffer_of", &rocenante::buffer_of, py::arg("epoch"));
+  layout.def("call_word_offset", [](int buffer, int source) {
     uint32_t header[rocenante::kHeaderBytes / sizeof(uint32_t)];
     return size_t(rocenante::call_word(header, buffer, source) - header) * sizeof(uint32_t);
   }, py::arg("buffer"), py::arg("source"));
-  wire.def("arrival_flag_offset", &rocenante::arrival_flag_offset, py::arg("buffer"), py::arg("source"));
-  wire.attr("no_epoch") = rocenante::kNoEpoch;
-  wire.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
+  layout.def("arrival_flag_offset", &rocenante::arrival_flag_offset, py::arg("buffer"), py::arg("source"));
+  layout.attr("no_epoch") = rocenante::kNoEpoch;
+  layout.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
     return rocenante::RegionLayout{capacity_bytes, world}.area_offset(buffer, receiver, source);
   }, py::arg("capacity_bytes"), py::arg("world"), py::arg("buffer"), py::arg("receiver"), py::arg("source"));
-  wire.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch, bool fused) {
+  layout.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch, bool fused) {
     return rocenante::make_flag(rocenante::call_signature(count, dtype, op, fused), epoch);
   }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"), py::arg("fused") = false);
-  wire.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
-  wire.attr("buffers") = rocenante::kBuffers;
-  wire.attr("epoch_period") = rocenante::kEpochPeriod;
+  layout.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
+  layout.attr("buffers") = rocenante::kBuffers;
+  layout.attr("epoch_period") = rocenante::kEpochPeriod;
   // The handles' formats (communicator.h, transport.h), for tests that forge or tamper with one.
-  wire.attr("config_magic") = rocenante::kConfigMagic;
-  wire.attr("config_bytes") = rocenante::kConfigBytes;
-  wire.attr("handle_header_bytes") = rocenante::kHandleHeaderBytes;
-  wire.attr("tcp_handle_magic") = rocenante::kTcpHandleMagic;
-  wire.attr("tcp_hello_magic") = rocenante::kTcpHelloMagic;
-  wire.attr("rdma_handle_magic") = rocenante::kRdmaHandleMagic;
+  layout.attr("config_magic") = rocenante::kConfigMagic;
+  layout.attr("config_bytes") = rocenante::kConfigBytes;
+  layout.attr("handle_header_bytes") = rocenante::kHandleHeaderBytes;
+  layout.attr("tcp_handle_magic") = rocenante::kTcpHandleMagic;
+  layout.attr("tcp_hello_magic") = rocenante::kTcpHelloMagic;
+  layout.attr("rdma_handle_magic") = rocenante::kRdmaHandleMagic;
 
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,

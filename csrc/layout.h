@@ -48,7 +48,7 @@
 //   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
 //     rank r resets during call e, only after it has received r's data for call e + 1, which r sends after
 //     it finished call e (on the GPU: the next kernel starts after the previous one completed, and a region in
-//     host memory is reset with system-scope stores fenced before the kernel ends, wire.cuh; on the host: in
+//     host memory is reset with system-scope stores fenced before the kernel ends, memory_order.cuh; on the host: in
 //     program order after the reset's release fence). So the reset lands before any write of call e + 2.
 //   - Rank r resets only words it has seen arrive (every word of the span it polls, padding included), or that
 //     no one wrote; so no write of call e - 1 can land after the reset. A peer that made a different call may
@@ -195,7 +195,7 @@ ROCENANTE_HD uint32_t flag_signature(uint32_t flag, uint32_t epoch) { return (fl
 // completed it, and at the timeout its arrival word held the buffer's previous epoch (which only the proxy
 // writes, one epoch after another; benchmarks/logs/h200-two-streams-arrival-lost.log). The split alone did not
 // end those timeouts; the kernel also reads such words with a load that refetches cached system-memory lines
-// (wire.cuh, load_polled).
+// (memory_order.cuh, load_polled).
 constexpr size_t kLineBytes = 128;
 
 // The region header: the abort words (written by the peers and this rank's host, never by its GPU), the
@@ -267,7 +267,7 @@ ROCENANTE_HD uint32_t initial_word(size_t index) {
 //     does a launch of which any thread sent nothing); its peers, waiting for a delivery that never comes, stop
 //     at its abort word, which the host sends (Communicator::current_fault), and name its root cause.
 // The reducer reads network peer s's call word and area of call e (buffer b = e % 3) only after it read the
-// arrival word of (b, s) equal to e (acquire; the kernel: a refetching load, then a fence, wire.cuh). Which word
+// arrival word of (b, s) equal to e (acquire; the kernel: a refetching load, then a fence, memory_order.cuh). Which word
 // that is, the signal says (Signal, transport.h; every rank alike):
 //   flag (default): flag[b][s] in the reducer's own region, written with e by s's wire after call e's call word
 //     and area, over the same connection (an RDMA reliable-connected queue pair, which places its writes in

@@ -7,7 +7,7 @@
 #include "../allreduce_args.h"
 #include "../chunk_reduce.h"
 #include "../fault.h"
-#include "wire.cuh"
+#include "memory_order.cuh"
 
 namespace rocenante {
 

@@ -6,7 +6,7 @@
 #include "../errors.h"
 #include "../timeline.h"
 #include "clock_offset.h"
-#include "wire.cuh"
+#include "memory_order.cuh"
 
 namespace rocenante {
 namespace {

@@ -32,7 +32,7 @@
 #include "device_state.h"
 #include "oneshot_kernel.h"
 #include "row_norm.cuh"
-#include "wire.cuh"
+#include "memory_order.cuh"
 
 namespace rocenante {
 namespace {
@@ -94,7 +94,7 @@ __device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint
 __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
                                   uint32_t pending) {
   if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
-  const bool host = a.network != 0;  // the region is host memory (wire.cuh)
+  const bool host = a.network != 0;  // the region is host memory (memory_order.cuh)
   if (const uint64_t f = abort_seen(a, pending, [host](const uint64_t* w) {
         if (!host) return load_acquire_sys(w);
         const uint64_t v = load_host_word(w);
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D), !failed);
 
   // Reset the previous call's buffer while our data travels (layout.h says why it is free by now). With network
-  // peers the region is host memory, and the reset must be there before this kernel ends (wire.cuh).
+  // peers the region is host memory, and the reset must be there before this kernel ends (memory_order.cuh).
   const int previous = previous_buffer(epoch);
   const size_t reset_units = load_relaxed(&s.spans[previous]) / kChunkBytes;
   const bool host_region = a.network != 0;

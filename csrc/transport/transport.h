@@ -147,7 +147,7 @@ std::unique_ptr<Transport> make_proxy(int rank, const RegionLayout& layout, uint
 constexpr double kDefaultProxySpinS = 5.0;
 constexpr double kMaxProxySpinS = 3600.0;  // the longest it may be asked for
 // The magics at the head of the wires' handles (and of the TCP wire's hello), bumped when a format changes;
-// exposed to tests by the bindings (rocenante._C.wire).
+// exposed to tests by the bindings (rocenante._C.layout).
 constexpr uint32_t kTcpHandleMagic = 0x52544331;   // "RTC1" (tcp.cc, TcpHandle)
 constexpr uint32_t kTcpHelloMagic = 0x52544348;    // "RTCH" (tcp.cc, Hello)
 constexpr uint32_t kRdmaHandleMagic = 0x52494231;  // "RIB1" (ibverbs.cc, HandleHeader)

@@ -125,13 +125,13 @@ def test_shared_gpu() -> bool:
 
 def test_first_call() -> int:
     """ROCENANTE_TEST_FIRST_CALL, for tests of the call numbers' wrap: the number of every communicator's first
-    call (default 1; calls count modulo _C.wire.epoch_period, about 3.2e9, which serving reaches in days).
+    call (default 1; calls count modulo _C.layout.epoch_period, about 3.2e9, which serving reaches in days).
     Every rank must set it alike (the communicators' configurations are compared)."""
     raw = os.environ.get("ROCENANTE_TEST_FIRST_CALL", "").strip()
     if not raw:
         return 1
-    if not raw.isdigit() or int(raw) >= _C.wire.epoch_period:
-        raise ValueError(f"ROCENANTE_TEST_FIRST_CALL={raw!r}: use a call number below {_C.wire.epoch_period}")
+    if not raw.isdigit() or int(raw) >= _C.layout.epoch_period:
+        raise ValueError(f"ROCENANTE_TEST_FIRST_CALL={raw!r}: use a call number below {_C.layout.epoch_period}")
     return int(raw)
 
 

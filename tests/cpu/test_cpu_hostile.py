@@ -23,10 +23,10 @@ from multiproc import expect_ok, run_ranks
 CAPACITY = 4096
 # A handle: the core's Config (magic, world, capacity, on_gpu, first call, network signal, a zero word), its
 # Identity (pid as an int64, the process's start time), then the transport's handle.
-CONFIG = _C.wire.config_bytes
+CONFIG = _C.layout.config_bytes
 DEVICE, FIRST_CALL, SIGNAL, ZERO, PID = CONFIG - 16, CONFIG - 12, CONFIG - 8, CONFIG - 4, CONFIG
-HEADER = _C.wire.handle_header_bytes
-OURS = _C.wire.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC7"
+HEADER = _C.layout.handle_header_bytes
+OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC7"
 _names = itertools.count()
 
 
@@ -44,7 +44,7 @@ def pair():
 
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
-    assert handle[:4] == struct.pack("<I", _C.wire.config_magic)
+    assert handle[:4] == struct.pack("<I", _C.layout.config_magic)
     return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC7" travels as b"7COR"
 
 
@@ -69,7 +69,7 @@ def test_another_version_is_named_as_such(pair):
         (lambda h: h[:3], "3 bytes"),
         (lambda h: b"\xff" * 64, "not a rocenante handle"),
         (lambda h: h[:HEADER - 1], "truncated"),
-        (lambda h: h[:FIRST_CALL] + struct.pack("<I", _C.wire.epoch_period) + h[FIRST_CALL + 4:],
+        (lambda h: h[:FIRST_CALL] + struct.pack("<I", _C.layout.epoch_period) + h[FIRST_CALL + 4:],
          "malformed configuration"),  # a first call number past the period
         (lambda h: h[:FIRST_CALL] + struct.pack("<I", 7) + h[FIRST_CALL + 4:],
          "first call 7, network signal flag; this rank"),

@@ -23,7 +23,7 @@ from multiproc import expect_ok, run_ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUPPORT = os.path.join(os.path.dirname(HERE), "support")
 SMALL_SHM = "8m"
-# World 2: each region is 3 x (2 - 1) x capacity (+ the header, _C.wire.header_bytes): 6 MiB for 2 MiB, so that
+# World 2: each region is 3 x (2 - 1) x capacity (+ the header, _C.layout.header_bytes): 6 MiB for 2 MiB, so that
 # one fits in 8 MiB and two do not; 9 MiB for 3 MiB, so that none fits.
 ONE_FITS, NONE_FITS = 2 << 20, 3 << 20
 
@@ -87,7 +87,7 @@ def test_a_full_dev_shm_fails_setup_on_every_rank_with_a_clear_error(capacity):
             assert "rank 1 failed to set up the communicator" in message, message
             assert elapsed < 10, f"rank {rank} waited {elapsed:.1f} s for a rank that had already failed"
             continue
-        region = _C.wire.header_bytes + 3 * capacity
+        region = _C.layout.header_bytes + 3 * capacity
         for words in (f"rank {rank}: cannot reserve {region} bytes", "No space left on device", "bytes free",
                       "3 x (world - 1) x capacity", "ROCENANTE_CAPACITY_BYTES"):
             assert words in message, message
@@ -131,7 +131,7 @@ def test_a_rank_dead_before_connecting_leaves_no_segment_once_the_next_communica
     assert [n for n in leftovers if os.path.exists(n)] == [], "the dead rank's segment is still in /dev/shm"
 
 
-HANDLE_PREFIX = _C.wire.handle_header_bytes  # the core's Config and Identity in front of the transport's handle
+HANDLE_PREFIX = _C.layout.handle_header_bytes  # the core's Config and Identity in front of the transport's handle
 
 
 @pytest.mark.parametrize("fault", ["mode", "owner"])

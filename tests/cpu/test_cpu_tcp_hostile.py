@@ -17,7 +17,7 @@ import rocenante
 from rocenante import _C
 from probes import host_probe
 
-HEADER = _C.wire.handle_header_bytes  # the communicator's configuration and identity, in front of the wire's handle
+HEADER = _C.layout.handle_header_bytes  # the communicator's configuration and identity, in front of the wire's handle
 
 
 # Hostile handles: rank 0 and rank 1 of one world in this process, rank 1's wire handle tampered with. The wire's
@@ -30,7 +30,7 @@ _WIRE = struct.Struct("<IIQQII")
 def tcp_pair():
     me, peer = (_C.Communicator(r, 2, -1, 4096, 5.0, _C.OnFault.raise_, _C.Net.tcp) for r in (0, 1))
     theirs = peer.local_handle()
-    assert len(theirs) == HEADER + _WIRE.size and _WIRE.unpack(theirs[HEADER:])[0] == _C.wire.tcp_handle_magic, \
+    assert len(theirs) == HEADER + _WIRE.size and _WIRE.unpack(theirs[HEADER:])[0] == _C.layout.tcp_handle_magic, \
         "the wire's handle is not the one this test tampers with"
     yield me, theirs
     me.close()
@@ -56,7 +56,7 @@ def _closed_port() -> int:
         (lambda h: h[:HEADER], f"TCP wire handle of 0 bytes, expected {_WIRE.size}"),
         (lambda h: h[:HEADER] + b"garbage", "TCP wire handle of 7 bytes"),
         (lambda h: h + b"\x00", f"TCP wire handle of {_WIRE.size + 1} bytes"),
-        (lambda h: _tampered(h, magic=_C.wire.rdma_handle_magic), "not a TCP wire's"),  # an RDMA handle's magic
+        (lambda h: _tampered(h, magic=_C.layout.rdma_handle_magic), "not a TCP wire's"),  # an RDMA handle's magic
         (lambda h: _tampered(h, world=3), "configurations differ"),
         (lambda h: _tampered(h, region_bytes=1 << 40), "configurations differ"),
         (lambda h: _tampered(h, rank=0), "for rank 0"),
@@ -77,9 +77,9 @@ def test_hostile_tcp_handle_is_refused_at_once_naming_both_ranks(tcp_pair, tampe
 @pytest.mark.parametrize(
     "hello, words",
     [
-        (lambda nonce: struct.pack("<IIQ", _C.wire.tcp_hello_magic, 1, nonce ^ 1), "from rank 1 carries another nonce"),
-        (lambda nonce: struct.pack("<IIQ", _C.wire.tcp_hello_magic, 5, nonce), "claims rank 5"),
-        (lambda nonce: struct.pack("<IIQ", _C.wire.tcp_hello_magic, 0, nonce), "claims rank 0"),
+        (lambda nonce: struct.pack("<IIQ", _C.layout.tcp_hello_magic, 1, nonce ^ 1), "from rank 1 carries another nonce"),
+        (lambda nonce: struct.pack("<IIQ", _C.layout.tcp_hello_magic, 5, nonce), "claims rank 5"),
+        (lambda nonce: struct.pack("<IIQ", _C.layout.tcp_hello_magic, 0, nonce), "claims rank 0"),
         (lambda nonce: b"GET / HTTP/1.0\r\n\r\n", "is not from rocenante's TCP wire"),
     ],
 )

@@ -18,7 +18,7 @@ import rocenante
 from rocenante import _C
 
 CAPACITY = 64 << 10
-HANDLE_HEADER = _C.wire.handle_header_bytes  # the core's Config and Identity, in front of the shared-memory name
+HANDLE_HEADER = _C.layout.handle_header_bytes  # the core's Config and Identity, in front of the shared-memory name
 EPOCH = 1  # the first call
 _CODES = {torch.float32: _C.DType.float32, torch.bfloat16: _C.DType.bfloat16, torch.int32: _C.DType.int32}
 
@@ -68,10 +68,10 @@ class PlayedPeer:
         return thread, outcome
 
     def call_word_index(self) -> int:
-        return _C.wire.call_word_offset(_C.wire.buffer_of(EPOCH), 1) // 4
+        return _C.layout.call_word_offset(_C.layout.buffer_of(EPOCH), 1) // 4
 
     def area_index(self) -> int:
-        return _C.wire.area_offset(CAPACITY, 2, _C.wire.buffer_of(EPOCH), 0, 1) // 4
+        return _C.layout.area_offset(CAPACITY, 2, _C.layout.buffer_of(EPOCH), 0, 1) // 4
 
 
 def _payload_stores(peer: PlayedPeer, y: torch.Tensor, call: int) -> list:
@@ -86,7 +86,7 @@ def _payload_stores(peer: PlayedPeer, y: torch.Tensor, call: int) -> list:
     stores = []
     for c in range(len(words) // 4):
         for h in range(2):
-            line = base + _C.wire.chunk_line(c, h) * 4  # in 32-bit words: {data0, flag, data1, flag}
+            line = base + _C.layout.chunk_line(c, h) * 4  # in 32-bit words: {data0, flag, data1, flag}
             for k in range(2):
                 stores.append((True, (line + 2 * k) // 2, int(words[4 * c + 2 * h + k]) | call << 32))
     return stores
@@ -108,7 +108,7 @@ def test_words_placed_in_random_order_are_reduced_only_once_all_arrived(dtype):
     x, y = _inputs(dtype, numel, seed=dtype.itemsize * 7 + numel)
     peer = PlayedPeer()
     try:
-        call = _C.wire.call_word(numel, _CODES[dtype], _C.ReduceOp.sum, EPOCH)
+        call = _C.layout.call_word(numel, _CODES[dtype], _C.ReduceOp.sum, EPOCH)
         stores = _payload_stores(peer, y, call)
         random.Random(numel).shuffle(stores)
         out = torch.full_like(x, 7)
@@ -150,7 +150,7 @@ def test_data_before_a_different_call_word_is_never_reduced(theirs, words):
         for store in stores:
             peer.store(*store)
         time.sleep(0.05)
-        peer.words[peer.call_word_index()] = _C.wire.call_word(numel, _C.DType.float32, epoch=EPOCH, **theirs)
+        peer.words[peer.call_word_index()] = _C.layout.call_word(numel, _C.DType.float32, epoch=EPOCH, **theirs)
         thread.join(timeout=30)
         assert not thread.is_alive()
         assert isinstance(outcome.get("error"), rocenante.CallMismatchError), outcome

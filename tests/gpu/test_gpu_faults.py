@@ -105,7 +105,7 @@ def _diagnose(got, i, k, n, rank, dev):
 def test_calls_on_two_streams_execute_in_issue_order(net, via_backend):
     # 1,000 iterations: over the TCP wire, with ranks sharing an H200, calls timed out on both ranks (outputs
     # poisoned) in 4 of 11 runs, then in 2 of 13 after the line split, and in 0 of 7 once the kernel read network
-    # peers' words with refetching loads (wire.cuh, load_polled).
+    # peers' words with refetching loads (memory_order.cuh, load_polled).
     assert expect_ok(run_ranks(WORLD, _two_streams, 1000, via_backend, timeout=300)) == [1000, 1000]
 
 

@@ -8,7 +8,7 @@ and format of the region and the wire below is derived here from what csrc/layou
 csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's code
 (protocol ROC7: abort words, the flags' line, then each buffer's call words on a 128-byte line of their own), so
 this checks the wire layout and the signalling against rdma-core's binding; only the handle's framing (the
-core's magics and header sizes) comes from rocenante._C.wire."""
+core's magics and header sizes) comes from rocenante._C.layout."""
 
 from __future__ import annotations
 
@@ -94,18 +94,18 @@ def _pyverbs_rank(store, mtu_drop, signal):
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
     store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
     # world, capacity, CPU, first call, signal (0 flag, 1 completion), a zero word
-    config = struct.pack("<IIQiIII", _C.wire.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal), 0)
+    config = struct.pack("<IIQiIII", _C.layout.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal), 0)
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
-    assert (len(config), len(config + identity)) == (_C.wire.config_bytes, _C.wire.handle_header_bytes)
+    assert (len(config), len(config + identity)) == (_C.layout.config_bytes, _C.layout.handle_header_bytes)
     gid = bytes.fromhex(path.gid.replace(":", ""))
     endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, mtu_code)
     # Entry q of a handle is what rank q needs: ours for rank 0, then an unused one for ourselves.
-    rdma = struct.pack("<IIQ", _C.wire.rdma_handle_magic, WORLD, REGION)
+    rdma = struct.pack("<IIQ", _C.layout.rdma_handle_magic, WORLD, REGION)
     handle = config + identity + rdma + endpoint + bytes(len(endpoint))
     store.set(f"{prefix}/handle/1", handle)
     _wait(store, [f"{prefix}/handle/0"], "rank 0's handle")
-    theirs = store.get(f"{prefix}/handle/0")[_C.wire.handle_header_bytes:]
-    assert struct.unpack_from("<IIQ", theirs) == (_C.wire.rdma_handle_magic, WORLD, REGION), \
+    theirs = store.get(f"{prefix}/handle/0")[_C.layout.handle_header_bytes:]
+    assert struct.unpack_from("<IIQ", theirs) == (_C.layout.rdma_handle_magic, WORLD, REGION), \
         "rank 0's RDMA handle header"
     dgid, (qpn, their_psn, addr, rkey, mtu) = theirs[16 + 40:16 + 56], struct.unpack_from("<IIQII", theirs, 16 + 56)
 

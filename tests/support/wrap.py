@@ -1,4 +1,4 @@
-"""Calls across the wrap of the call numbers (an epoch counts calls modulo _C.wire.epoch_period, about 3.2e9:
+"""Calls across the wrap of the call numbers (an epoch counts calls modulo _C.layout.epoch_period, about 3.2e9:
 days of serving), on whatever path and device a test runs: every communicator of the ranks starts at the call
 number ROCENANTE_TEST_FIRST_CALL, which the test sets just before the wrap (or at 0)."""
 
@@ -18,7 +18,7 @@ def near_the_wrap(calls_before: int) -> int:
     """The first call number that puts the wrap `calls_before` calls in."""
     from rocenante import _C
 
-    return (_C.wire.epoch_period - calls_before) % _C.wire.epoch_period
+    return (_C.layout.epoch_period - calls_before) % _C.layout.epoch_period
 
 
 def calls_across(store, rank, world, device, calls, seed):
@@ -49,7 +49,7 @@ def calls_across(store, rank, world, device, calls, seed):
         comm.all_reduce(torch.ones(100 + 8 * rank, device=device))
         comm.synchronize()
     except rocenante.CallMismatchError as err:
-        period = rocenante._C.wire.epoch_period
+        period = rocenante._C.layout.epoch_period
         early = [n for n in numbers if comm.faulted_by(n)]
         assert not early, f"calls {early}, made before the fault, count as faulted"
         assert comm.faulted_by((numbers[-1] + 1) % period), "the faulted call does not count as faulted"
