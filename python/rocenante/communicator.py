@@ -316,6 +316,8 @@ class Communicator:
             self.refuse("a non-contiguous tensor (call .contiguous() first)")
         if out is None:
             return torch.empty_like(x, memory_format=torch.contiguous_format)
+        if out is x:  # in place (issue(), the backend's calls): x was checked just above
+            return out
         if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
             self.refuse(
                 f"an out that does not match the input: out must match the input, got {out.dtype} "
