@@ -15,6 +15,8 @@ Modes (bf16 sum, the slower rank of each measurement):
   eager       issue -> synchronize() returning, one call at a time, both ranks released together
   graph       one replay of a CUDA graph of --graph-calls calls, divided by that count
   after_idle  as eager, for the first call after both ranks slept 100 ms
+  after_idle_gpu_busy  the same while another stream keeps one multiprocessor busy through the 100 ms: what
+              after_idle pays beyond it comes from the GPU's idle state, not from the proxy or the wire
 What this can and cannot show: both ranks' kernels co-reside on one GPU (up to about 1 MiB at world 2), so a call
 is never serialized behind the peer's kernel; the two rank threads share Python's GIL, which adds to the eager
 figures; the TCP wire is a test vehicle whose copies and placement are not a NIC's. The figures compare the
@@ -48,7 +50,8 @@ METHOD = {
     "wire": "ROCENANTE_NET=tcp (loopback TCP test wire), for every arm",
     "calls": "eager: barrier, all_reduce, synchronize, host-timed per call; graph: barrier, one replay of a graph "
              "of graph_calls calls, synchronize, divided by graph_calls; after_idle: both ranks sleep 100 ms, "
-             "barrier, one eager call",
+             "barrier, one eager call; after_idle_gpu_busy: the same with a torch.cuda._sleep of 110 ms on a third "
+             "stream, enqueued just before the idle time",
     "order": "arms round-robin, shifted by one every round (rocenante.bench.runner.round_order)",
     "statistic": "the slower rank per measurement, then median, p10, p90 over measurements",
 }
@@ -112,7 +115,7 @@ def check(outs, want, what):
 
 def main(argv=None) -> int:
     from rocenante.bench import provenance, report
-    from rocenante.bench.runner import round_order, summarize
+    from rocenante.bench.runner import round_order, sleep_cycles_per_us, summarize
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="benchmarks/results/net-threads.json")
@@ -162,6 +165,11 @@ def main(argv=None) -> int:
                             comms[arm][rank].all_reduce(inputs[nbytes][rank], out=outs[arm, nbytes][rank])
                     graphs[arm, nbytes, rank] = graph
     barrier = threading.Barrier(WORLD)
+    # after_idle_gpu_busy: a third stream keeps one multiprocessor spinning through the idle time, so the GPU
+    # never idles: what after_idle pays beyond it is the GPU's own idle state, not the proxy's or the wire's.
+    idle_modes = ["after_idle"] + (["after_idle_gpu_busy"] if cuda else [])
+    keeper = torch.cuda.Stream(device) if cuda else None
+    cycles_per_us = sleep_cycles_per_us() if cuda else 0.0
 
     def measure(rank):
         times = {}
@@ -193,13 +201,18 @@ def main(argv=None) -> int:
                                              "rank-order fp32 sum")
         for i in range(a.idle_calls):
             for arm in round_order(arms, i):
-                for nbytes in a.bytes:
+                for nbytes, mode in [(n, m) for n in a.bytes for m in idle_modes]:
+                    if mode == "after_idle_gpu_busy" and rank == 0:
+                        with torch.cuda.stream(keeper):
+                            torch.cuda._sleep(int(IDLE_S * 1.1e6 * cycles_per_us))
                     time.sleep(IDLE_S)  # 20 x a napping proxy's 5 ms of polls; well within the default hot spin
                     barrier.wait()
                     start = time.perf_counter()
                     comms[arm][rank].all_reduce(inputs[nbytes][rank], out=outs[arm, nbytes][rank])
                     comms[arm][rank].synchronize()
-                    times.setdefault((arm, "after_idle", nbytes), []).append((time.perf_counter() - start) * 1e6)
+                    times.setdefault((arm, mode, nbytes), []).append((time.perf_counter() - start) * 1e6)
+        if cuda:
+            keeper.synchronize()
         return times
 
     per_rank = on_ranks(measure, streams)
