@@ -47,7 +47,7 @@ PYBIND11_MODULE(_C, m) {
       .value("min", rocenante::ReduceOp::kMin);
 
   py::enum_<rocenante::Net>(m, "Net")
-      .value("direct", rocenante::Net::kDirect)
+      .value("shm", rocenante::Net::kShm)
       .value("ib", rocenante::Net::kIb)
       .value("tcp", rocenante::Net::kTcp);
   py::enum_<rocenante::OnFault>(m, "OnFault")
@@ -112,7 +112,7 @@ PYBIND11_MODULE(_C, m) {
                                      proxy_spin_s, signal);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
-           py::arg("on_fault"), py::arg("net") = rocenante::Net::kDirect,
+           py::arg("on_fault"), py::arg("net") = rocenante::Net::kShm,
            py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int, int, int>>{}, py::arg("first_call") = 1,
            py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS, py::arg("signal") = rocenante::Signal::kFlag)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })

@@ -194,7 +194,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
                            Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s,
                            Signal signal)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
-      layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kDirect ? Signal::kFlag : signal),
+      layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kShm ? Signal::kFlag : signal),
       issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch),
       peer_processes_(world), creator_pid_(getpid()),
       forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
@@ -216,7 +216,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
   if (first_epoch >= kEpochPeriod)
     ROCENANTE_THROW(InvalidArgument, "first call " + std::to_string(first_epoch) + " is outside 0.." +
                                          std::to_string(kEpochPeriod - 1));
-  if (net != Net::kDirect && net != Net::kIb && net != Net::kTcp)
+  if (net != Net::kShm && net != Net::kIb && net != Net::kTcp)
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
@@ -227,7 +227,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     if (kernel_) timeline_mapping_ = kernel_->map_host(timeline_.get(), sizeof(Timeline), address);
     device_timeline_ = static_cast<Timeline*>(address);
   }
-  if (net == Net::kDirect) {
+  if (net == Net::kShm) {
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
   } else {
     std::unique_ptr<Wire> wire = net == Net::kIb ? make_ibverbs_wire(rank, layout_, rdma_paths, signal_)

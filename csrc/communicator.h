@@ -25,10 +25,11 @@ namespace rocenante {
 // and end the process with SIGABRT.
 enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 
-// How peers are reached: direct (shared memory for CPU tensors, CUDA IPC for GPU tensors; every peer on this
-// host), or through a network wire driven by a proxy thread (transport/proxy.cc): RDMA verbs, or the TCP
-// software wire (loopback, a test vehicle).
-enum class Net : uint32_t { kDirect = 0, kIb = 1, kTcp = 2 };
+// How peers are reached: kShm, every peer on this host, directly (shared memory for CPU tensors, CUDA IPC for GPU
+// tensors: the docs' direct path), or through a network wire driven by a proxy thread (transport/proxy.cc): RDMA
+// verbs, or the TCP software wire (loopback, a test vehicle). Spelled as Communicator.net's values, "shm", "ib"
+// and "tcp", in Python (_C.Net).
+enum class Net : uint32_t { kShm = 0, kIb = 1, kTcp = 2 };
 
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
 // CPU or GPU, first call, network signal), the process's identity (pid, start time), then the transport's part
@@ -48,7 +49,7 @@ class Communicator : public Watched {
   // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
   // signal: how a network peer's delivery tells the reducer it is whole (transport.h); unused without one.
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-               Net net = Net::kDirect, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
+               Net net = Net::kShm, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
                double proxy_spin_s = kDefaultProxySpinS, Signal signal = Signal::kFlag);
   ~Communicator();
   Communicator(const Communicator&) = delete;

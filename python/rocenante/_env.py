@@ -147,7 +147,8 @@ def net() -> str:
     return parse_net(os.environ.get("ROCENANTE_NET", ""), "ROCENANTE_NET")
 
 
-# The values of ROCENANTE_NET: peers on this host directly (""), or every peer through RDMA or the TCP wire.
+# The values of ROCENANTE_NET: unset (""), the path chosen from where the ranks are (Communicator._choose_net), or
+# every peer through RDMA or the TCP wire.
 NETS = ("", "ib", "tcp")
 
 

@@ -188,10 +188,10 @@ class Communicator:
                 _ib.log_once(rank, chosen)
                 qos = _env.ib_qos()
                 paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
-            net = {"shm": _C.Net.direct, "ib": _C.Net.ib, "tcp": _C.Net.tcp}[self.net]
             signal = getattr(_C.Signal, _env.ib_signal())
-            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault, net,
-                                      paths, _env.test_first_call(), _env.proxy_spin_s(), signal)
+            self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault,
+                                      getattr(_C.Net, self.net), paths, _env.test_first_call(), _env.proxy_spin_s(),
+                                      signal)
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
