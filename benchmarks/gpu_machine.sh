@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build, run the GPU tests and the benchmark on a machine with CUDA GPUs, in one go (one device lease).
-#   benchmarks/gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [extra benchmark arguments...]
+#   benchmarks/gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown [EARLIER_TREE [LABEL]]|all] [bench args...]
 #   benchmarks/gpu_machine.sh OUTDIR stress [SECONDS]
 # Writes OUTDIR/gpu-tests.log, OUTDIR/gpu-tests.xml (junit; gpu-tests-PART.* for a part), OUTDIR/test-figures.jsonl
 # (detection times, soak and leak figures; every part appends), OUTDIR/bench.json, OUTDIR/bench.png,
-# OUTDIR/bench.log, OUTDIR/fusion.json and OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown (not part of
-# all): a second, timeline build (csrc/timeline.h) in /tmp/rocenante-timeline and OUTDIR/breakdown.{json,log}
-# (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces (e.g. '-k memcheck';
+# OUTDIR/bench.log, OUTDIR/fusion.json and OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown [EARLIER_TREE
+# [LABEL]] (not part of all): timeline builds (csrc/timeline.h) of this tree and of an earlier one, in /tmp, and
+# OUTDIR/breakdown.{json,log} (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces (e.g. '-k memcheck';
 # a -k there replaces a part's). The log shows what passed tests printed (-rP): the soak's count and time, the leak
 # probes' values.
 # The GPU tests (pytest -m gpu: tests/gpu) run on whatever GPUs there are: with fewer GPUs than a test's ranks,
@@ -31,7 +31,7 @@
 # ROCENANTE_PREBUILT there in every call: /tmp stays while the machine is warm, while an ignored folder inside the
 # checkout was emptied of its files between two calls (2026-12-02).
 set -uo pipefail
-out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown|all] [bench args...]}
+out=${1:?usage: gpu_machine.sh OUTDIR [tests [PART]|bench|fusion|breakdown [EARLIER_TREE [LABEL]]|all] [bench args...]}
 what=${2:-all}
 shift $(( $# >= 2 ? 2 : 1 ))
 repo=$PWD
@@ -61,12 +61,14 @@ nvidia-smi topo -m >> "$out/gpus.txt" 2>&1
 arch=${CMAKE_CUDA_ARCHITECTURES:-90}
 if [[ -n ${ROCENANTE_PREBUILT:-} ]]; then
   export PYTHONPATH=$(cd "$ROCENANTE_PREBUILT" && pwd)${PYTHONPATH:+:$PYTHONPATH}
-else
+elif [[ $what != breakdown ]]; then  # breakdown makes builds of its own
   python3 -m pip install --no-build-isolation --no-deps -q . -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" \
     > "$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 fi
-python3 -c 'import rocenante, sys; print("rocenante from", rocenante.__file__, "python", sys.version.split()[0])' |
-  tee -a "$out/gpus.txt" || exit 1
+if [[ $what != breakdown ]]; then
+  python3 -c 'import rocenante, sys; print("rocenante from", rocenante.__file__, "python", sys.version.split()[0])' |
+    tee -a "$out/gpus.txt" || exit 1
+fi
 status=0
 if [[ $what == tests || $what == all ]]; then
   (cd /tmp && ROCENANTE_TEST_FIGURES="$out/test-figures.jsonl" python3 -m pytest -v -rsP -m gpu "${selection[@]}" \
@@ -83,11 +85,37 @@ if [[ $what == fusion || $what == all ]]; then
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ $what == breakdown ]]; then
-  python3 -m pip install --no-build-isolation --no-deps -q --target /tmp/rocenante-timeline . \
-    -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir=/tmp/build-timeline \
-    > "$out/build-timeline.log" 2>&1 || { tail -40 "$out/build-timeline.log"; exit 1; }
-  (cd /tmp && PYTHONPATH=/tmp/rocenante-timeline python3 "$OLDPWD/benchmarks/net_breakdown.py" --out "$out/breakdown.json") \
-    2>&1 | tee "$out/breakdown.log" | tail -20
+  # Timeline builds of this tree and, given, of an earlier one (EARLIER_TREE, e.g. `git archive fbf215f` unpacked
+  # into an untracked folder of the checkout), built side by side, then run in alternate processes (earlier,
+  # this, this, earlier) and merged; the host loop's pieces from this tree's build with CPU tensors.
+  earlier=${1:+$(cd "$1" && pwd)} label_earlier=${2:-earlier}
+  label=$(git rev-parse --short HEAD 2>/dev/null || echo "${ROCENANTE_GIT_REVISION:-this-tree}" | cut -c1-7)
+  build_timeline() {  # SOURCE TARGET LOG
+    python3 -m pip install --no-build-isolation --no-deps -q --target "$2" "$1" \
+      -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir="$2-build" > "$3" 2>&1
+  }
+  build_timeline "$repo" /tmp/rocenante-timeline "$out/build-timeline.log" & this_build=$!
+  if [[ -n $earlier ]]; then
+    build_timeline "$earlier" /tmp/rocenante-timeline-earlier "$out/build-timeline-earlier.log" ||
+      { tail -40 "$out/build-timeline-earlier.log"; exit 1; }
+  fi
+  wait $this_build || { tail -40 "$out/build-timeline.log"; exit 1; }
+  runs=(this:cuda:0 this:cuda:0 this:cpu)
+  [[ -n $earlier ]] && runs=(earlier:cuda:0 this:cuda:0 this:cuda:0 earlier:cuda:0 this:cpu)
+  parts=() i=0
+  for run in "${runs[@]}"; do
+    which=${run%%:*} device=${run#*:} i=$((i + 1))
+    site=/tmp/rocenante-timeline name=$label
+    [[ $which == earlier ]] && site=/tmp/rocenante-timeline-earlier name=$label_earlier
+    (cd /tmp && PYTHONPATH=$site python3 "$repo/benchmarks/net_breakdown.py" --label "$name" --device "$device" \
+       --part "/tmp/breakdown-part-$i.json") 2>&1 | grep -v "every peer is reached" >> "$out/breakdown.log"
+    rc=${PIPESTATUS[0]}
+    status=$(( status || rc ))
+    (( rc == 0 )) && parts+=("/tmp/breakdown-part-$i.json")
+  done
+  (( ${#parts[@]} )) || { tail -40 "$out/breakdown.log"; exit 1; }
+  (cd /tmp && PYTHONPATH=/tmp/rocenante-timeline python3 "$repo/benchmarks/net_breakdown.py" --merge "${parts[@]}" \
+     --out "$out/breakdown.json") 2>&1 | tee -a "$out/breakdown.log" | tail -40
   status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ $what == stress ]]; then

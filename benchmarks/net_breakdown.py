@@ -1,41 +1,41 @@
-"""Where a small call's time goes, from the per-call timeline of a timeline build (csrc/timeline.h):
+"""Where a small call's time goes on the network path, from the per-call timeline of a timeline build
+(csrc/timeline.h), over the TCP software wire (ROCENANTE_NET=tcp), two ranks as threads of one process, each on
+its own stream (sharing one GPU: their kernels co-reside at these sizes), or both on the CPU (the host loop):
 
-    pip install --no-build-isolation --no-deps . -Ccmake.define.ROCENANTE_TIMELINE=ON
-    python benchmarks/net_breakdown.py [--out benchmarks/results/h200x2-net-breakdown.json] [--bytes 1024]
+    benchmarks/gpu_machine.sh OUTDIR breakdown [EARLIER_TREE [LABEL]]   builds this tree (and an earlier one),
+                                                                        alternates them, merges the parts
+    python benchmarks/net_breakdown.py --label L --part PART.json [--device cuda:0|cpu]   one build, one process
+    python benchmarks/net_breakdown.py --merge --out OUT.json PART.json ...               the rows of every part
 
-Two ranks, one GPU each, two communicators side by side: the network path over the TCP software wire
-(ROCENANTE_NET=tcp: kernel -> pinned host memory -> proxy thread -> loopback TCP -> the peer's proxy -> its kernel)
-and the direct path (CUDA IPC over NVLink). Each call is issued alone (a barrier before it, a synchronize after),
-bf16 sum. Per call, from rank r's kernel and proxy and its peer q's:
-  network path
-    staging    r's kernel: start -> doorbell stored (its stores into the image visible)    GPU clock
-    doorbell   r's doorbell stored -> r's proxy took it and posted the deliveries           GPU -> host clock
-    wire       r's proxy posted -> q's proxy saw r's delivery arrive                        host clock
-    arrival    q's proxy saw it -> q's kernel saw it (and the data)                         host -> GPU clock
-    (q's proxy sees the delivery by r's flag, which q's kernel polls too, so with the default flag signal
-    arrival is about zero and may be negative; with ROCENANTE_IB_SIGNAL=completion the proxy stores the arrival
-    word the kernel waits for, and arrival is that hop)
-    finish     q's kernel: saw every peer's data -> wrote its last output chunk            GPU clock
-    kernel     r's kernel: start -> end                                                    GPU clock
-  direct path: arrival (start -> every peer's first chunk seen) and finish, GPU clock; and, in CUDA graphs of
-    50 calls replayed back to back, per call: interval (one kernel's start to the next one's), kernel (start to
-    end of CTA 0's thread 0) and gap (end to the next start), which shows how much of a call's time in a graph
-    is spent outside the kernel's own work.
-The GPU and host clocks are related by the fastest of 200 GPU-host round trips through mapped memory
-(clock_offset_ns), measured before and after each burst of calls (a single calibration for a whole run was off
-by tens of microseconds by its end: the clocks drift apart); the two cross-clock pieces are good to about half
-that round trip plus the drift within a burst.
-Then the first call after the proxy went idle (it sleeps between polls after 2 ms without work), against calls
-issued back to back, host-timed (issue to synchronize() returning), rows arm "rocenante_net_tcp", mode
-"after_idle" / "warm".
+Each call is issued alone and waited for (all_reduce, then synchronize), bf16 sum. Pieces of a call from rank r
+to its peer q, each between two timestamps of the timeline:
+  staging   r's reducer began (kernel: CTA 0 started) -> r stored its doorbell (its data in pinned memory)
+  doorbell  r's doorbell stored -> r's proxy posted the call's last send                     (reducer -> host clock)
+  wire      posted -> q's proxy saw r's delivery whole: with the flag signal, its polling saw the flag (the
+            reducer polls the same flag, so this is when the flag was visible, as near as a hot poll sees it);
+            with the completion signal or before the flag signal, it stored the arrival word   (host clock)
+  arrival   q's proxy saw it -> q's reducer had every peer's call (kernel: every peer's first chunk)
+            (host -> reducer clock; with the flag signal about zero, and negative where the reducer saw the flag
+            before the proxy's poll did)
+  finish    q's reducer had every peer's call -> it wrote its last output                 (reducer clock)
+  sum       staging + doorbell + arrival + finish: what the path adds beyond the wire
+and host-timed, the slower rank's issue -> synchronize() returning (piece "timed").
+Modes: warm (bursts of calls back to back), after_idle (the first call after both ranks slept 100 ms).
+A kernel's events are on the GPU's %globaltimer, the proxy's and the host loop's on CLOCK_REALTIME; the two are
+related by the fastest of 200 GPU-host round trips through mapped memory (clock_offset_ns), measured before and
+after each burst and after each idle call (the clocks drift apart by tens of microseconds over a run), so a
+cross-clock piece is good to about half that round trip plus the drift within a burst.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -44,189 +44,199 @@ import torch.distributed as dist
 # Event indices of csrc/timeline.h.
 K_START, K_RING, K_ARRIVED, K_END, P_RING, P_DELIVERED, P_ARRIVAL = range(7)
 SLOTS = 4096
+WORLD = 2
+IDLE_S = 0.1
+PIECES = ("staging", "doorbell", "wire", "arrival", "finish", "sum", "timed")
 
 METHOD = {
     "script": "benchmarks/net_breakdown.py",
-    "build": "timeline build (-DROCENANTE_TIMELINE=ON): kernel events on %globaltimer, proxy events on CLOCK_REALTIME",
-    "calls": "network path: bursts of calls issued one at a time (all_reduce, eager, then synchronize), the clock "
-             "offset calibrated before and after each burst; direct path: gloo barrier, all_reduce, synchronize",
-    "statistic": "median, p10, p90 over calls of each piece (rank 0's and rank 1's calls pooled)",
+    "build": "timeline builds (-DROCENANTE_TIMELINE=ON): kernel events on %globaltimer, proxy and host-loop "
+             "events on CLOCK_REALTIME",
+    "ranks": "2 ranks as threads of one process over the TCP wire, each on its own stream; GPU arms share one GPU "
+             "(their kernels co-reside); cpu arms run the host loop",
+    "calls": "warm: bursts of calls issued one at a time (all_reduce, then synchronize), the clock offset "
+             "calibrated before and after each burst; after_idle: both ranks sleep 100 ms, then one call, the "
+             "offset calibrated after it",
+    "order": "earlier and later builds in alternate processes (gpu_machine.sh breakdown)",
+    "statistic": "pieces: median, p10, p90 over calls, both directions pooled; timed: the slower rank per call",
 }
 
 
 def _stats(values):
     from rocenante.bench.runner import percentile
 
-    values = sorted(values)
     return {"median_us": statistics.median(values), "p10_us": percentile(values, 0.1),
             "p90_us": percentile(values, 0.9), "measurements": len(values)}
 
 
-def worker(store, rank, world, cfg):
+def _rank(rank, comm, xs, ys, cfg, barrier):
+    """One rank's calls; per size, its records {(mode, call): (clock offset ns, host-timed us)} and its
+    timeline after them."""
+    from rocenante import _C
+
+    snapshots = []
+    for nbytes in cfg["bytes"]:
+        x, y = xs[nbytes][rank], ys[nbytes][rank]
+
+        def call():
+            start = time.perf_counter()
+            epoch = comm._c.all_reduce(x.data_ptr(), y.data_ptr(), x.numel(), _C.DType.bfloat16, _C.ReduceOp.sum,
+                                       comm.current_stream())
+            comm.synchronize()
+            return epoch, (time.perf_counter() - start) * 1e6
+
+        for _ in range(20):  # warm-up
+            call()
+        records = {}
+        for _ in range(cfg["bursts"]):
+            barrier.wait()
+            before = comm._c.clock_offset_ns()
+            burst = [call() for _ in range(cfg["burst"])]
+            after = comm._c.clock_offset_ns()
+            records.update({("warm", e): ((before + after) // 2, us) for e, us in burst})
+        for _ in range(cfg["idle_calls"]):
+            time.sleep(IDLE_S)
+            barrier.wait()
+            e, us = call()
+            records["after_idle", e] = (comm._c.clock_offset_ns(), us)
+        snapshots.append((nbytes, records, comm._c.timeline()))
+    return snapshots
+
+
+def measure(cfg, device):
+    """Two ranks as threads; returns {"bytes|mode|piece": [values]}."""
+    import rocenante
+
+    cuda = device.type == "cuda"
+    store = dist.HashStore()
+    streams = [torch.cuda.Stream(device) for _ in range(WORLD)] if cuda else [None] * WORLD
+    barrier = threading.Barrier(WORLD)
+    xs, ys = {}, {}
+    for nbytes in cfg["bytes"]:
+        g = torch.Generator().manual_seed(nbytes)
+        xs[nbytes] = [torch.randn(nbytes // 2, generator=g).to(torch.bfloat16).to(device) for _ in range(WORLD)]
+        ys[nbytes] = [torch.empty_like(x) for x in xs[nbytes]]
+    results, errors = [None] * WORLD, []
+
+    def run(rank):
+        try:
+            if cuda:
+                torch.cuda.set_device(device)
+            with torch.cuda.stream(streams[rank]) if cuda else contextlib.nullcontext():
+                comm = rocenante.Communicator(store, rank, WORLD, device=device, name="breakdown", net="tcp")
+                try:
+                    results[rank] = _rank(rank, comm, xs, ys, cfg, barrier)
+                finally:
+                    comm.close()
+        except BaseException as err:  # noqa: B036 - raised below with its rank
+            errors.append((rank, err))
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        rank, err = errors[0]
+        raise RuntimeError(f"rank {rank}: {type(err).__name__}: {err}") from err
+    for nbytes in cfg["bytes"]:
+        want = (xs[nbytes][0].float() + xs[nbytes][1].float()).to(torch.bfloat16)
+        if not all(torch.equal(y, want) for y in ys[nbytes]):
+            raise AssertionError(f"{nbytes} B: a rank's result differs from the rank-order fp32 sum")
+    return pieces(results)
+
+
+def pieces(results):
+    """The pieces of every call both ranks recorded, r -> q for both directions."""
+    out = {}
+    for i, (nbytes, _, _) in enumerate(results[0]):
+        recs = [results[r][i][1] for r in range(WORLD)]
+        tls = [results[r][i][2] for r in range(WORLD)]
+        for key in recs[0].keys() & recs[1].keys():
+            mode, e = key
+            into = lambda piece: out.setdefault(f"{nbytes}|{mode}|{piece}", [])  # noqa: E731
+            into("timed").append(max(recs[0][key][1], recs[1][key][1]))
+            for r in range(WORLD):
+                q = 1 - r
+                a, b = tls[r][e % SLOTS], tls[q][e % SLOTS]
+                if not all((a[K_START], a[K_RING], a[P_RING], b[P_ARRIVAL], b[K_ARRIVED], b[K_END])):
+                    continue
+                off_r, off_q = recs[r][key][0], recs[q][key][0]
+                got = {"staging": (a[K_RING] - a[K_START]) / 1e3,
+                       "doorbell": (a[P_RING] - (a[K_RING] - off_r)) / 1e3,
+                       "wire": (b[P_ARRIVAL] - a[P_RING]) / 1e3,
+                       "arrival": ((b[K_ARRIVED] - off_q) - b[P_ARRIVAL]) / 1e3,
+                       "finish": (b[K_END] - b[K_ARRIVED]) / 1e3}
+                got["sum"] = got["staging"] + got["doorbell"] + got["arrival"] + got["finish"]
+                for piece, value in got.items():
+                    into(piece).append(value)
+    return out
+
+
+def merge(parts):
+    """Rows of every part, pooled by arm (label and device), size, mode and piece."""
+    pooled = {}
+    for part in parts:
+        arm = "rocenante_net_tcp" + ("_cpu" if part["device"] == "cpu" else "") + "@" + part["label"]
+        for key, values in part["pieces"].items():
+            pooled.setdefault((arm,) + tuple(key.split("|")), []).extend(values)
+    return [{"arm": arm, "mode": f"{mode}:{piece}", "dtype": "bfloat16", "bytes": int(nbytes), **_stats(values)}
+            for (arm, nbytes, mode, piece), values in sorted(pooled.items(), key=lambda kv: (
+                kv[0][0], int(kv[0][1]), kv[0][2], PIECES.index(kv[0][3])))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--label", help="the build's name in the arm (e.g. its revision)")
+    p.add_argument("--part", help="where one process's pieces go")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--bytes", type=int, nargs="+", default=[1024, 65536])
+    p.add_argument("--bursts", type=int, default=10)
+    p.add_argument("--burst", type=int, default=100, help="calls between clock calibrations")
+    p.add_argument("--idle-calls", type=int, default=100, help="calls after 100 ms idle, per size")
+    p.add_argument("--merge", nargs="+", metavar="PART", help="merge these parts into --out")
+    p.add_argument("--out", default="benchmarks/results/net-breakdown.json")
+    a = p.parse_args(argv)
+    if a.merge:
+        from rocenante.bench import provenance, report
+
+        parts = []
+        for path in a.merge:
+            with open(path) as f:
+                parts.append(json.load(f))
+        rows = merge(parts)
+        method = {**METHOD, "parts": [{k: v for k, v in part.items() if k != "pieces"} for part in parts]}
+        info = provenance.collect("cuda" if any(pt["device"] != "cpu" for pt in parts) else "cpu", method,
+                                  tuple(parts[0]["load_before"]))
+        info["command"] = "benchmarks/gpu_machine.sh OUTDIR breakdown (benchmarks/net_breakdown.py --merge)"
+        report.write_json({"schema": report.SCHEMA, "provenance": info, "world_size": WORLD, "rows": rows}, a.out)
+        for row in rows:
+            print(f"{row['arm']:>30} {row['bytes']:>6} B {row['mode']:>20}: median {row['median_us']:9.2f} us "
+                  f"(p10 {row['p10_us']:.2f}, p90 {row['p90_us']:.2f}, n {row['measurements']})")
+        print(f"wrote {a.out}")
+        return 0
+    if not a.label or not a.part:
+        p.error("--label and --part (or --merge)")
     import rocenante
     from rocenante import _C
 
     if not _C.timeline_build:
-        raise RuntimeError("not a timeline build: pip install . -Ccmake.define.ROCENANTE_TIMELINE=ON")
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("gloo", store=dist.PrefixStore("ctl", store), rank=rank, world_size=world)
-    comms = {"rocenante_net_tcp": rocenante.Communicator(store, rank, world, device=dev, name="net", net="tcp"),
-             "rocenante": rocenante.Communicator(store, rank, world, device=dev, name="direct")}
-    numel = cfg["bytes"] // 2
-    x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    epochs, offsets = {}, {}
-    for arm, comm in comms.items():
-        for _ in range(20):  # warm-up
-            comm.all_reduce(x, out=y)
-        comm.synchronize()
-        first = None
-        burst = cfg["burst"] if arm == "rocenante_net_tcp" else 1
-        for i in range(cfg["calls"] // burst):
-            dist.barrier()
-            before = comm._c.clock_offset_ns() if burst > 1 else 0
-            called = []
-            for _ in range(burst):  # back to back: the proxy keeps polling (it naps after 2 ms without work)
-                called.append(comm._c.all_reduce(x.data_ptr(), y.data_ptr(), numel, _C.DType.bfloat16,
-                                                 _C.ReduceOp.sum, comm.current_stream()))
-                comm.synchronize()
-            after = comm._c.clock_offset_ns() if burst > 1 else 0
-            if burst > 1:
-                offsets.update({e: (before + after) // 2 for e in called})
-            first = called[0] if first is None else first
-        epochs[arm] = (first, called[-1])
-    # The direct path in CUDA graphs: consecutive calls' kernel events.
-    comm = comms["rocenante"]
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            comm.all_reduce(x, out=y)
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(cfg["graph_calls"]):
-            comm.all_reduce(x, out=y)
-    torch.cuda.synchronize()
-    graph_epochs = []
-    for _ in range(cfg["replays"]):
-        dist.barrier()
-        before = comm._c.timeline()  # the epoch counter lives on the device: find this replay's calls by time
-        graph.replay()
-        torch.cuda.synchronize()
-        after = comm._c.timeline()
-        graph_epochs.append(sorted(i for i in range(SLOTS) if after[i][K_START] != before[i][K_START]))
-    del graph
-    # The first call after the proxy went idle, against back-to-back calls (host-timed).
-    comm = comms["rocenante_net_tcp"]
-    timed = {"after_idle": [], "warm": []}
-    for i in range(cfg["idle_calls"]):
-        for mode in ("after_idle", "warm"):
-            if mode == "after_idle":
-                time.sleep(0.02)  # 10x the proxy's spin: it naps between polls by now
-            dist.barrier()
-            start = time.perf_counter()
-            comm.all_reduce(x, out=y)
-            comm.synchronize()
-            timed[mode].append((time.perf_counter() - start) * 1e6)
-    out = {"timelines": {arm: c._c.timeline() for arm, c in comms.items()},
-           "offset_ns": offsets, "epochs": epochs, "timed": timed, "graph_slots": graph_epochs}
-    dist.barrier()
-    for c in comms.values():
-        c.close()
-    dist.destroy_process_group()
-    return out
-
-
-def breakdown(results, cfg):
-    rows = []
-    net, direct = "rocenante_net_tcp", "rocenante"
-    pieces = {k: [] for k in ("staging", "doorbell", "wire", "arrival", "finish", "kernel")}
-    first, last = results[0]["epochs"][net]
-    for r in (0, 1):
-        q = 1 - r
-        t_r, t_q = results[r]["timelines"][net], results[q]["timelines"][net]
-        for e in range(first, last + 1):
-            off_r, off_q = results[r]["offset_ns"][e], results[q]["offset_ns"][e]
-            a, b = t_r[e % SLOTS], t_q[e % SLOTS]
-            if not all((a[K_START], a[K_RING], a[K_END], a[P_RING], b[P_ARRIVAL], b[K_ARRIVED], b[K_END])):
-                continue
-            pieces["staging"].append((a[K_RING] - a[K_START]) / 1e3)
-            pieces["doorbell"].append((a[P_RING] - (a[K_RING] - off_r)) / 1e3)
-            pieces["wire"].append((b[P_ARRIVAL] - a[P_RING]) / 1e3)
-            pieces["arrival"].append(((b[K_ARRIVED] - off_q) - b[P_ARRIVAL]) / 1e3)
-            pieces["finish"].append((b[K_END] - b[K_ARRIVED]) / 1e3)
-            pieces["kernel"].append((a[K_END] - a[K_START]) / 1e3)
-    for name, values in pieces.items():
-        rows.append({"arm": net, "mode": f"piece:{name}", "dtype": "bfloat16", "bytes": cfg["bytes"], **_stats(values)})
-    d_pieces = {"arrival": [], "finish": [], "kernel": []}
-    first, last = results[0]["epochs"][direct]
-    for r in (0, 1):
-        t = results[r]["timelines"][direct]
-        for e in range(first, last + 1):
-            a = t[e % SLOTS]
-            if not all((a[K_START], a[K_ARRIVED], a[K_END])):
-                continue
-            d_pieces["arrival"].append((a[K_ARRIVED] - a[K_START]) / 1e3)
-            d_pieces["finish"].append((a[K_END] - a[K_ARRIVED]) / 1e3)
-            d_pieces["kernel"].append((a[K_END] - a[K_START]) / 1e3)
-    for name, values in d_pieces.items():
-        rows.append({"arm": direct, "mode": f"piece:{name}", "dtype": "bfloat16", "bytes": cfg["bytes"], **_stats(values)})
-    graph = {"interval": [], "kernel": [], "gap": []}
-    t = results[0]["timelines"][direct]
-    for slots in results[0]["graph_slots"]:
-        events = sorted((t[i][K_START], t[i][K_END]) for i in slots)
-        for (s0, e0), (s1, _) in zip(events, events[1:]):
-            graph["interval"].append((s1 - s0) / 1e3)
-            graph["kernel"].append((e0 - s0) / 1e3)
-            graph["gap"].append((s1 - e0) / 1e3)
-    for name, values in graph.items():
-        if values:
-            rows.append({"arm": direct, "mode": f"graph:{name}", "dtype": "bfloat16", "bytes": cfg["bytes"],
-                         **_stats(values)})
-    for mode in ("after_idle", "warm"):
-        values = [max(a, b) for a, b in zip(results[0]["timed"][mode], results[1]["timed"][mode])]
-        rows.append({"arm": net, "mode": mode, "dtype": "bfloat16", "bytes": cfg["bytes"], **_stats(values)})
-    return rows
-
-
-def main(argv=None) -> int:
-    from rocenante.bench import provenance, report
-    from rocenante.bench.runner import run_spawned
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="benchmarks/results/net-breakdown.json")
-    p.add_argument("--bytes", type=int, default=1024)
-    p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--idle-calls", type=int, default=50)
-    p.add_argument("--burst", type=int, default=100, help="network path: calls between clock calibrations")
-    p.add_argument("--graph-calls", type=int, default=50)
-    p.add_argument("--replays", type=int, default=20)
-    a = p.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        p.error("needs 2 GPUs")
-    cfg = {"bytes": a.bytes, "calls": a.calls, "idle_calls": a.idle_calls, "burst": a.burst, "graph_calls": a.graph_calls,
-           "replays": a.replays}
+        p.error("not a timeline build: pip install . -Ccmake.define.ROCENANTE_TIMELINE=ON")
+    if 20 + a.bursts * a.burst + a.idle_calls > SLOTS:
+        p.error(f"more calls per size than the timeline keeps ({SLOTS})")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cfg = {"bytes": a.bytes, "bursts": a.bursts, "burst": a.burst, "idle_calls": a.idle_calls}
     load_before = os.getloadavg()
-    results = run_spawned(worker, 2, cfg, timeout=1200)
-    failed = {r: v["error"] for r, v in results.items() if "error" in v}
-    if failed:
-        for r, err in sorted(failed.items()):
-            print(f"rank {r} failed:\n{err}", file=sys.stderr)
-        return 1
-    rows = breakdown(results, cfg)
-    offsets = [list(results[r]["offset_ns"].values()) for r in (0, 1)]
-    method = {**METHOD, "clock_offset_ns_first_last": [[o[0], o[-1]] for o in offsets]}
-    result = {"schema": report.SCHEMA, "provenance": provenance.collect("cuda", method, load_before),
-              "world_size": 2, "config": cfg, "rows": rows}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    report.write_json(result, a.out)
-    for row in rows:
-        print(f"{row['arm']:>18} {row['mode']:>16}: median {row['median_us']:8.2f} us  "
-              f"(p10 {row['p10_us']:.2f}, p90 {row['p90_us']:.2f}, n {row['measurements']})")
-    print(f"wrote {a.out}")
+    got = measure(cfg, torch.device(a.device))
+    part = {"label": a.label, "device": a.device, "rocenante": rocenante.__file__, "config": cfg,
+            "load_before": load_before, "signal": os.environ.get("ROCENANTE_IB_SIGNAL", "flag"), "pieces": got}
+    os.makedirs(os.path.dirname(a.part) or ".", exist_ok=True)
+    with open(a.part, "w") as f:
+        json.dump(part, f)
+    for key in sorted(got):
+        if key.split("|")[2] in ("sum", "timed", "doorbell", "arrival"):
+            print(f"{a.label} {a.device} {key:>28}: median {statistics.median(got[key]):9.2f} us")
     return 0
 
 

@@ -46,7 +46,7 @@ struct AllReduceArgs {
   uint32_t stores;
   Mailbox* mailbox;            // null when no peer is a network peer
   const uint32_t* arrivals;    // the arrival words, [buffer][source] (Transport::arrivals()); null as mailbox
-  Timeline* timeline;  // timeline builds (timeline.h), GPU: where the kernel records its events; else null
+  Timeline* timeline;  // timeline builds (timeline.h): where the reducer records its events; else null
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
   RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
 };

@@ -225,7 +225,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     timeline_ = std::make_shared<Timeline>();
     void* address = nullptr;
     if (kernel_) timeline_mapping_ = kernel_->map_host(timeline_.get(), sizeof(Timeline), address);
-    device_timeline_ = static_cast<Timeline*>(address);
+    reducer_timeline_ = kernel_ ? static_cast<Timeline*>(address) : timeline_.get();
   }
   if (net == Net::kShm) {
     transport_ = device_ < 0 ? make_shm_transport(rank, layout_) : make_cuda_ipc_transport(rank, device_, layout_);
@@ -319,7 +319,7 @@ AllReduceArgs Communicator::call_args(DType dtype, ReduceOp op) const {
   a.stores = stores_;
   a.mailbox = transport_->mailbox();
   a.arrivals = transport_->arrivals();
-  a.timeline = device_timeline_;
+  a.timeline = reducer_timeline_;
   a.timeout_ns = uint64_t(timeout_s_ * 1e9);
   return a;
 }

@@ -163,7 +163,7 @@ class Communicator : public Watched {
   uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
   uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
   std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into
-  Timeline* device_timeline_ = nullptr;  // ... and the kernel's address of it (GPU communicators)
+  Timeline* reducer_timeline_ = nullptr;  // ... and the reducer's address of it (the kernel's mapping, or it)
   std::shared_ptr<void> timeline_mapping_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only

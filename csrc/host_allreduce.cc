@@ -369,6 +369,7 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
       return encode_fault(Fault::kPeerTimeout, missing, 0);
     }
   }
+  note(a.timeline, epoch, kKernelArrived);
   // Then the data: whatever has arrived is this call's (layout.h).
   const uint32_t* areas[kMaxRanks] = {};
   for (int s = 0; s < a.world; ++s)
@@ -394,6 +395,7 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
+  note(a.timeline, epoch, kKernelStart);
 
   // The previous call's reset (step 2) must land before what a peer sends after seeing our data of this call:
   // release orders those earlier stores before the pushes below.
@@ -402,8 +404,10 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     if (a.stores & (1u << p)) store_word(call_word(a.peer[p], buffer, a.rank), call);
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call, chunks); });
   // Network peers: the proxy delivers what the image now holds (layout.h, Mailbox).
-  if (a.mailbox != nullptr)
+  if (a.mailbox != nullptr) {
     __atomic_store_n(&a.mailbox->ring[buffer], ring_word(span_bytes(a.bytes, a.dtype), epoch), __ATOMIC_RELEASE);
+    note(a.timeline, epoch, kKernelRing);
+  }
 
   const int previous = previous_buffer(epoch);
   for (int s = 0; s < a.world; ++s) {
@@ -421,6 +425,7 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))
       std::memcpy(static_cast<char*>(a.out) + b, &poison, std::min(sizeof(poison), a.bytes - b));
   }
+  note(a.timeline, epoch, kKernelEnd);
   return fault;
 }
 

@@ -1,6 +1,7 @@
 // The timeline of a build configured with -DROCENANTE_TIMELINE=ON (off by default: the hooks compile to nothing):
-// per call, when its steps happened, on the GPU's %globaltimer (kernel events) and on the host's CLOCK_REALTIME
-// (proxy events), both in nanoseconds. benchmarks/net_breakdown.py reads it (Communicator.timeline()) to split a
+// per call, when its steps happened, on the GPU's %globaltimer (the kernel's events) and on the host's
+// CLOCK_REALTIME (the proxy's events, and the host loop's, which records the kernel's events for CPU tensors),
+// both in nanoseconds. benchmarks/net_breakdown.py reads it (Communicator.timeline()) to split a
 // call's time into staging, doorbell, wire and arrival; OneshotKernel::clock_offset_ns() relates the two clocks.
 // A slot is overwritten kTimelineSlots calls later; events of a call that did not happen stay 0.
 #pragma once
@@ -20,10 +21,11 @@ constexpr bool kTimeline = false;
 #endif
 
 enum TimelineEvent : int {
-  kKernelStart,     // CTA 0 passed griddepcontrol.wait: the call's data may move
+  kKernelStart,     // CTA 0 passed griddepcontrol.wait: the call's data may move (host loop: the call began)
   kKernelRing,      // network peers: the last CTA stored the doorbell (every store into the image visible)
-  kKernelArrived,   // thread 0 of CTA 0 has every peer's first chunk (network peers: after their arrival word)
-  kKernelEnd,       // thread 0 of CTA 0 wrote its last output chunk
+  kKernelArrived,   // thread 0 of CTA 0 has every peer's first chunk (network peers: after their arrival word);
+                    // host loop: every peer's call word
+  kKernelEnd,       // thread 0 of CTA 0 wrote its last output chunk (host loop: the last one)
   kProxyRing,       // the proxy took the doorbell and posted the call's deliveries
   kProxyDelivered,  // ... and the wire reported them landed
   kProxyArrival,    // the proxy saw a peer's delivery of this call arrive (the last peer's): its flag, or with
@@ -56,6 +58,12 @@ inline int64_t realtime_ns() {
   timespec t{};
   clock_gettime(CLOCK_REALTIME, &t);
   return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
+// Timeline builds, on the host: records `event` of call `epoch` now, where `timeline` is not null.
+inline void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
+  if constexpr (kTimeline)
+    if (timeline != nullptr) *timeline_entry(timeline, epoch, event) = uint64_t(realtime_ns());
 }
 
 }  // namespace rocenante

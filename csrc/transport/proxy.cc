@@ -51,11 +51,6 @@ constexpr unsigned long kTimerSlackNs = 1000;
 // host gone while this rank waits is seen within kLivenessBudgetS plus one interval.
 constexpr std::chrono::milliseconds kProbeInterval{100};
 
-// Timeline builds: records `event` of call `epoch` on the host's CLOCK_REALTIME (timeline.h).
-void note(Timeline* timeline, uint32_t epoch, TimelineEvent event) {
-  if constexpr (kTimeline) *timeline_entry(timeline, epoch, event) = uint64_t(realtime_ns());
-}
-
 class Proxy final : public Transport {
  public:
   Proxy(int rank, const RegionLayout& layout, uint32_t first_epoch, std::unique_ptr<Wire> wire, const MapHost& map_host,
