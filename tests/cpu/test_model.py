@@ -64,6 +64,13 @@ def test_algorithms_hand_computed():
     assert allreduce.crossover(HAND, 4, allreduce.one_shot, allreduce.ring) == pytest.approx(10_000)
     # 2 nodes: two-shot and ring cost one more step for the same bytes: one-shot always wins.
     assert allreduce.crossover(HAND, 2, allreduce.one_shot, allreduce.ring) is None
+    # All-gather (4000 B out, 1000 B shards) or reduce-scatter (4000 B in): one step of 3 shards, or 3 of one.
+    assert allreduce.shard_one_shot(HAND, 4, 4000) * us == pytest.approx(3 + 3 * 1)
+    assert allreduce.shard_ring(HAND, 4, 4000) * us == pytest.approx(3 * (3 + 1))
+    for algo in allreduce.SHARD_ALGORITHMS.values():
+        assert algo(HAND, 1, 4000) == 0
+    # The same bytes either way: one-shot is ahead at every size.
+    assert allreduce.crossover(HAND, 8, allreduce.shard_one_shot, allreduce.shard_ring) is None
 
 
 def test_profiles_follow_the_published_microbenchmarks():
@@ -126,5 +133,5 @@ def test_committed_results_are_what_the_model_computes(tmp_path):
     fresh = json.loads((tmp_path / "m.json").read_text())
     with open(os.path.join(ROOT, "benchmarks", "results", "scaling-model.json")) as f:
         committed = json.load(f)
-    for key in ("profiles", "latency_us", "crossover_bytes", "decode"):
+    for key in ("profiles", "latency_us", "all_gather_reduce_scatter_latency_us", "crossover_bytes", "decode"):
         assert _to_12_digits(fresh[key]) == _to_12_digits(committed[key]), key

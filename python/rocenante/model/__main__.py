@@ -31,6 +31,8 @@ def build(profiles) -> dict:
     roce = profiles["dgx-spark-roce"]
     arms = {name: (algo, roce) for name, algo in allreduce.ALGORITHMS.items()}
     arms["nccl (ring fit)"] = (allreduce.ring, profiles["dgx-spark-nccl"])
+    shard_arms = {name: (algo, roce) for name, algo in allreduce.SHARD_ALGORITHMS.items()}
+    shard_arms["nccl (ring fit)"] = (allreduce.shard_ring, profiles["dgx-spark-nccl"])
     base = published.DECODE_ROWS[0][3]
     check = decode.check(fixed, per_token, profiles)
     return {
@@ -41,6 +43,9 @@ def build(profiles) -> dict:
                               "overhead_us": p.overhead_s * 1e6, "source": p.source} for p in profiles.values()},
         "latency_us": [{"nodes": n, "bytes": s, **{a: round(f(p, n, s) * 1e6, 2) for a, (f, p) in arms.items()}}
                        for n in NODES for s in SIZES],
+        "all_gather_reduce_scatter_latency_us": [
+            {"nodes": n, "bytes": s, **{a: round(f(p, n, s) * 1e6, 2) for a, (f, p) in shard_arms.items()}}
+            for n in NODES for s in SIZES],
         "crossover_bytes": [{"nodes": n, **{f"one-shot/{b}": _bytes(allreduce.crossover(roce, n, allreduce.one_shot,
                                                                                            allreduce.ALGORITHMS[b]))
                                             for b in ("two-shot", "ring")}} for n in NODES],
@@ -65,10 +70,13 @@ def format_tables(r: dict) -> str:
     for name, p in r["profiles"].items():
         lines.append(f"profile {name}: alpha {p['alpha_us']:.2f} us, bandwidth {p['bandwidth_GBps']:.2f} GB/s, "
                      f"overhead {p['overhead_us']:.2f} us ({p['source']})")
-    arms = [k for k in r["latency_us"][0] if k not in ("nodes", "bytes")]
-    lines.append(f"\n{'nodes':>5} {'bytes':>9} " + " ".join(f"{a:>15}" for a in arms) + "   (us)")
-    for row in r["latency_us"]:
-        lines.append(f"{row['nodes']:>5} {row['bytes']:>9} " + " ".join(f"{row[a]:>15.1f}" for a in arms))
+    for title, key in (("all-reduce", "latency_us"),
+                       ("all-gather (bytes: the output) or reduce-scatter (the input)",
+                        "all_gather_reduce_scatter_latency_us")):
+        arms = [k for k in r[key][0] if k not in ("nodes", "bytes")]
+        lines.append(f"\n{title}\n{'nodes':>5} {'bytes':>9} " + " ".join(f"{a:>15}" for a in arms) + "   (us)")
+        for row in r[key]:
+            lines.append(f"{row['nodes']:>5} {row['bytes']:>9} " + " ".join(f"{row[a]:>15.1f}" for a in arms))
     lines.append("\ncrossover (bytes above which the other is faster, dgx-spark-roce):")
     for c in r["crossover_bytes"]:
         kib = {k: "never" if v is None else f"{v / 1024:.0f} KiB" for k, v in c.items() if k != "nodes"}

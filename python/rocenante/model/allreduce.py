@@ -1,10 +1,18 @@
-"""All-reduce latency on n switch-connected nodes: one-shot, two-shot and ring.
+"""Collective latency on n switch-connected nodes: all-reduce one-shot, two-shot and ring; all-gather and
+reduce-scatter one-shot and ring.
 
 A profile is (alpha: per-message latency, bandwidth: per-node injection bandwidth, overhead: per-step cost of
 the algorithm: kernel, flags, reduction). A step costs overhead + alpha + bytes each rank injects / bandwidth:
-  one-shot: 1 step, each rank sends its full message to n-1 peers;
-  two-shot: 2 steps (reduce-scatter, all-gather), each sends (n-1) chunks of size/n;
-  ring:     2(n-1) steps, each sends one chunk of size/n.
+  all-reduce of `size` bytes
+    one-shot: 1 step, each rank sends its full message to n-1 peers;
+    two-shot: 2 steps (a one-shot reduce-scatter, then a one-shot all-gather), each sends (n-1) chunks of size/n;
+    ring:     2(n-1) steps, each sends one chunk of size/n;
+  all-gather of `size` bytes (the output; each rank's shard is size/n) and reduce-scatter of `size` bytes (the
+  input), which cost the same here
+    one-shot: 1 step, each rank sends (n-1) shards of size/n (its own to every peer, or each peer's part of it);
+    ring:     n-1 steps, each sends one shard of size/n.
+  The model counts injected bytes only: one-shot and ring all-gathers inject the same bytes, so one-shot, with one
+  step's fixed cost instead of n-1, is ahead at every size (no crossover), where a real switch's incast may not be.
 
 Every rank must use the same parameters: if the model ever picks the algorithm at dispatch, the ranks agree on
 the profile at init (through the store), or they would run different protocols. Dispatch from the model waits
@@ -40,15 +48,27 @@ def one_shot(p: Profile, n: int, size: float) -> float:
     return 0.0 if n == 1 else _step(p, (n - 1) * size)
 
 
+def shard_one_shot(p: Profile, n: int, size: float) -> float:
+    """All-gather or reduce-scatter of `size` bytes in one step."""
+    return 0.0 if n == 1 else _step(p, (n - 1) * size / n)
+
+
+def shard_ring(p: Profile, n: int, size: float) -> float:
+    """All-gather or reduce-scatter of `size` bytes as a ring."""
+    return (n - 1) * _step(p, size / n)
+
+
 def two_shot(p: Profile, n: int, size: float) -> float:
-    return 0.0 if n == 1 else 2 * _step(p, (n - 1) * size / n)
+    return 2 * shard_one_shot(p, n, size)
 
 
 def ring(p: Profile, n: int, size: float) -> float:
-    return 2 * (n - 1) * _step(p, size / n)
+    return 2 * shard_ring(p, n, size)
 
 
 ALGORITHMS = {"one-shot": one_shot, "two-shot": two_shot, "ring": ring}
+# All-gather and reduce-scatter alike.
+SHARD_ALGORITHMS = {"one-shot": shard_one_shot, "ring": shard_ring}
 
 
 def crossover(p: Profile, n: int, a, b) -> float | None:
