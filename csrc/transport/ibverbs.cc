@@ -1,6 +1,6 @@
 // RDMA over RoCE v2 (libibverbs, CPU memory): one reliable-connected (RC) queue pair per peer.
 //
-// Memory, per transport: one anonymous mmap, page-aligned, holding
+// Memory, per transport: a WireBlock (transport.h), holding
 //   region  (RegionLayout::region_bytes(), filled with initial_word(), registered with remote write: the peers'
 //            RDMA WRITEs land here),
 //   image   (the same size, local access only): what this rank writes "into a peer's region" is written here
@@ -253,22 +253,14 @@ class IbverbsWire final : public Wire {
         ROCENANTE_THROW(InvalidArgument, "the path to rank " + std::to_string(p) + " asks for traffic class " +
                                              std::to_string(paths[p].traffic_class) + " and service level " +
                                              std::to_string(paths[p].service_level) + ": use 0..255 and 0..15");
-    const size_t page = 4096;
-    staging_offset_ = 2 * bytes_;
-    block_bytes_ = (staging_offset_ + kMaxRanks * kAbortSlotBytes + page - 1) / page * page;
-    void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
-    block_ = static_cast<char*>(block);
+    // The staging slots (the block's extra bytes) start as zeros too: an abort word is sent only once staged.
+    block_ = std::make_unique<WireBlock>(bytes_, kMaxRanks * kAbortSlotBytes);
     // A forked child gets none of the registered memory: pinned pages shared with a child would be the NIC's
     // and the child's at once (the child never uses the communicator: Communicator::in_forked_child()).
-    if (madvise(block_, block_bytes_, MADV_DONTFORK) != 0) {
-      munmap(block_, block_bytes_);
+    if (madvise(block_->data(), block_->bytes(), MADV_DONTFORK) != 0) {
+      block_.reset();
       throw_system_error("madvise(MADV_DONTFORK)", __FILE__, __LINE__);
     }
-    // Empty before any peer can write into it (layout.h); the image and staging start as zeros, which no peer
-    // reads: the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring),
-    // and an abort word only once it is staged.
-    for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
     devices_.reserve(world_);
     try {
       std::random_device rd;
@@ -301,7 +293,7 @@ class IbverbsWire final : public Wire {
           if (const int err = post_receive(p)) fail_code("post a receive", p, err);
         l.local.qp_num = l.qp->qp_num;
         l.local.psn = rd() & kPsnMask;
-        l.local.addr = reinterpret_cast<uintptr_t>(block_);
+        l.local.addr = reinterpret_cast<uintptr_t>(block_->region());
         l.local.rkey = d.region_mr->rkey;
       }
     } catch (...) {
@@ -380,14 +372,14 @@ class IbverbsWire final : public Wire {
     }
   }
 
-  uint32_t* local_region() const override { return reinterpret_cast<uint32_t*>(block_); }
-  uint32_t* peer_region(int) const override { return reinterpret_cast<uint32_t*>(block_ + bytes_); }
+  uint32_t* local_region() const override { return block_->region(); }
+  uint32_t* peer_region(int) const override { return block_->image(); }
 
   void deliver(int peer, size_t offset, size_t bytes) override {
     links_[peer].pending = true;
     if (bytes == 0) return;
     if (links_[peer].gathered == kRoundWrs - 1) post_round(peer);  // the signal must come last: make room
-    gather(peer, block_ + bytes_ + offset, offset, bytes);
+    gather(peer, reinterpret_cast<char*>(block_->image()) + offset, offset, bytes);
   }
 
   void signal(uint32_t epoch) override {
@@ -481,7 +473,7 @@ class IbverbsWire final : public Wire {
       return;
     }
     if (links_[peer].qp == nullptr || links_[peer].remote.qp_num == 0) return;  // never connected
-    uint64_t* slot = reinterpret_cast<uint64_t*>(block_ + staging_offset_) + 2 * peer;
+    uint64_t* slot = reinterpret_cast<uint64_t*>(block_->extra()) + 2 * peer;
     slot[0] = word;
     slot[1] = ~word;
     try {
@@ -522,10 +514,11 @@ class IbverbsWire final : public Wire {
     if (dd.cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
     dd.recv_cq = v.create_cq(dd.ctx, int(kRecvDepth) * world_, nullptr, nullptr, 0);
     if (dd.recv_cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
-    dd.region_mr = v.reg_mr(dd.pd, block_, bytes_, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    dd.region_mr = v.reg_mr(dd.pd, block_->region(), bytes_, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (dd.region_mr == nullptr) fail_errno("register " + std::to_string(bytes_) + " bytes on " + dd.name, peer);
-    dd.send_mr = v.reg_mr(dd.pd, block_ + bytes_, block_bytes_ - bytes_, 0);
-    if (dd.send_mr == nullptr) fail_errno("register " + std::to_string(block_bytes_ - bytes_) + " bytes on " + dd.name, peer);
+    const size_t send_bytes = block_->bytes() - bytes_;  // the image and the staging slots
+    dd.send_mr = v.reg_mr(dd.pd, block_->image(), send_bytes, 0);
+    if (dd.send_mr == nullptr) fail_errno("register " + std::to_string(send_bytes) + " bytes on " + dd.name, peer);
     return int(devices_.size() - 1);
   }
 
@@ -678,16 +671,13 @@ class IbverbsWire final : public Wire {
       if (d.ctx != nullptr) v.close_device(d.ctx);
     }
     devices_.clear();
-    if (block_ != nullptr) munmap(block_, block_bytes_);
-    block_ = nullptr;
+    block_.reset();
   }
 
   int rank_;
   int world_;
   size_t bytes_;
-  size_t staging_offset_ = 0;
-  size_t block_bytes_ = 0;
-  char* block_ = nullptr;
+  std::unique_ptr<WireBlock> block_;
   std::vector<Device> devices_;
   std::vector<PeerLink> links_;
   uint64_t pending_fault_ = 0;  // a post the NIC refused, or a write drain() saw fail: for the next delivered()

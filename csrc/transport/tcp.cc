@@ -2,9 +2,7 @@
 // loopback, as if each peer were on another host, so that the network path (proxy, mailbox, wire) runs on any
 // machine. Never chosen silently.
 //
-// Memory: one anonymous mmap, page-aligned, holding the receive region (RegionLayout::region_bytes(), filled
-// with initial_word()) followed by the image (the same size); peer_region(p) == image for every p, as in
-// ibverbs.cc, whose comment says why one image serves every peer.
+// Memory: a WireBlock (transport.h): the receive region, then the image, which is peer_region(p) for every p.
 //
 // Connections: one TCP connection per ordered pair of ranks. Rank s's outgoing connection to r carries, in
 // order, s's messages for r (a Header, then its payload); r's receiver thread for s reads them one at a time
@@ -59,7 +57,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -236,15 +233,8 @@ class TcpWire final : public Wire {
       : Wire(signal), rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), peers_(layout.world) {
     if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
       ROCENANTE_THROW(InvalidArgument, "unknown signal mode " + std::to_string(uint32_t(signal)));
-    const size_t page = 4096;
-    block_bytes_ = (2 * bytes_ + page - 1) / page * page;
-    void* block = mmap(nullptr, block_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
-    block_ = static_cast<char*>(block);
+    block_ = std::make_unique<WireBlock>(bytes_, 0);
     try {
-      // Empty before any peer can write into it (layout.h); the image starts as zeros, which no peer reads:
-      // the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring).
-      for (size_t i = 0; i < bytes_ / sizeof(uint32_t); ++i) local_region()[i] = initial_word(i);
       std::random_device rd;
       nonce_ = (uint64_t(rd()) << 32) | rd();
       listen_ = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -295,8 +285,8 @@ class TcpWire final : public Wire {
     listen_ = -1;
   }
 
-  uint32_t* local_region() const override { return reinterpret_cast<uint32_t*>(block_); }
-  uint32_t* peer_region(int) const override { return reinterpret_cast<uint32_t*>(block_ + bytes_); }
+  uint32_t* local_region() const override { return block_->region(); }
+  uint32_t* peer_region(int) const override { return block_->image(); }
 
   void deliver(int peer, size_t offset, size_t bytes) override {
     Peer& q = peers_[peer];
@@ -513,7 +503,8 @@ class TcpWire final : public Wire {
   }
 
   char* payload(Outgoing& m) const {
-    return m.header.kind == kWrite ? block_ + bytes_ + m.header.offset : reinterpret_cast<char*>(m.words);
+    return m.header.kind == kWrite ? reinterpret_cast<char*>(block_->image()) + m.header.offset
+                                   : reinterpret_cast<char*>(m.words);
   }
 
   // Takes the acks that have come, without blocking; each must acknowledge the next signal sent.
@@ -661,15 +652,13 @@ class TcpWire final : public Wire {
     disconnect();
     if (listen_ >= 0) close(listen_);
     listen_ = -1;
-    if (block_ != nullptr) munmap(block_, block_bytes_);
-    block_ = nullptr;
+    block_.reset();
   }
 
   int rank_;
   int world_;
   size_t bytes_;
-  size_t block_bytes_ = 0;
-  char* block_ = nullptr;
+  std::unique_ptr<WireBlock> block_;
   int listen_ = -1;
   uint32_t port_ = 0;
   uint64_t nonce_ = 0;

@@ -9,12 +9,15 @@
 //   4. all_connected(): every rank has connected; drop what only connecting needed (e.g. names).
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "../errors.h"
 #include "../fault.h"
 #include "../layout.h"
 #include "../timeline.h"
@@ -101,6 +104,38 @@ class Wire : public Transport {
  protected:
   const Signal signal_;
 };
+
+// A network wire's memory (tcp.cc, ibverbs.cc): one anonymous mmap, page-aligned, holding this rank's receive
+// region (RegionLayout::region_bytes(), filled with initial_word(): empty before any peer can write into it,
+// layout.h), then the image, as large, then `extra_bytes`. The image and the extra bytes start as zeros, which no
+// peer reads: the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring).
+// The image is peer_region(p) for every peer p (ibverbs.cc says why one image serves them all).
+class WireBlock {
+ public:
+  WireBlock(size_t region_bytes, size_t extra_bytes)
+      : region_bytes_(region_bytes), bytes_((2 * region_bytes + extra_bytes + kPage - 1) / kPage * kPage) {
+    void* block = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
+    data_ = static_cast<char*>(block);
+    for (size_t i = 0; i < region_bytes_ / sizeof(uint32_t); ++i) region()[i] = initial_word(i);
+  }
+  ~WireBlock() { munmap(data_, bytes_); }
+  WireBlock(const WireBlock&) = delete;
+  WireBlock& operator=(const WireBlock&) = delete;
+
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  uint32_t* region() const { return reinterpret_cast<uint32_t*>(data_); }
+  uint32_t* image() const { return reinterpret_cast<uint32_t*>(data_ + region_bytes_); }
+  char* extra() const { return data_ + 2 * region_bytes_; }
+
+ private:
+  static constexpr size_t kPage = 4096;
+  size_t region_bytes_;
+  size_t bytes_;
+  char* data_ = nullptr;
+};
+
 // Rounds a proxy may have posted that the wire has not yet reported landed (delivered()). Two let call e + 1
 // leave while call e's acknowledgements are still on their way; a reducer rings e + 2 only once its peers had
 // our data of e (layout.h, Mailbox), so a third would seldom help.
