@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, Reduc
 from torch.futures import Future
 
 from rocenante import _env, _store, startup
-from rocenante.communicator import Communicator, serves
+from rocenante.communicator import Communicator, _core_op, serves
 
 logger = logging.getLogger("rocenante")
 
@@ -172,7 +172,9 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = AllreduceOptions() if opts is None else opts
         t = tensors[0]
-        op = opts.reduceOp.op  # the RedOpType enum: ReduceOp objects do not hash by value
+        # The core's op, converted once from the RedOpType (ReduceOp objects do not hash by value); None for an op
+        # rocenante does not serve, which then goes to the delegate with `opts` as it came.
+        op = _core_op(opts.reduceOp.op)
         # A tensor whose elements share memory (expand()) cannot take the result back from a contiguous copy: it
         # goes to the delegate as it is, as with gloo or NCCL alone. A layout fact, alike on every rank.
         single = len(tensors) == 1 and not _overlaps_itself(t)
@@ -201,9 +203,10 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         """For torch.ops.rocenante.all_reduce: a new tensor, without first copying the input."""
         if op not in _OP_TYPES:
             raise ValueError(f"unsupported op {op!r}: torch.ops.rocenante.all_reduce takes sum, avg, max, min or product")
-        comm = self._eligible(x, _OP_TYPES[op])
+        core = _core_op(_OP_TYPES[op])  # None for product
+        comm = self._eligible(x, core)
         if comm is not None:
-            return comm.all_reduce(x.contiguous(), op=_OP_TYPES[op])
+            return comm.all_reduce(x.contiguous(), op=core)
         out = x.clone(memory_format=torch.contiguous_format)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp(_OP_TYPES[op])
