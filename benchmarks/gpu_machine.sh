@@ -6,9 +6,9 @@
 # (detection times, soak and leak figures; every part appends), OUTDIR/bench.json, OUTDIR/bench.png,
 # OUTDIR/bench.log, OUTDIR/fusion.json and OUTDIR/fusion.log (benchmarks/fusion_bench.py); breakdown [EARLIER_TREE
 # [LABEL]] (not part of all): timeline builds (csrc/timeline.h) of this tree and of an earlier one, in /tmp, and
-# OUTDIR/breakdown.{json,log} (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split at spaces (e.g. '-k memcheck';
-# a -k there replaces a part's). The log shows what passed tests printed (-rP): the soak's count and time, the leak
-# probes' values.
+# OUTDIR/breakdown.{json,log} (benchmarks/net_breakdown.py). ROCENANTE_PYTEST_ARGS adds pytest arguments, split
+# at spaces (e.g. '-k memcheck'; a -k there replaces a part's). The log shows what passed tests printed (-rP):
+# the soak's count and time, the leak probes' values.
 # The GPU tests (pytest -m gpu: tests/gpu) run on whatever GPUs there are: with fewer GPUs than a test's ranks,
 # ranks share a GPU (a call then takes milliseconds, and tests make fewer calls) and tests that need a GPU per rank
 # are skipped, saying so. The whole suite takes longer than one 600 s device call; `tests PART` runs a part of it.
@@ -92,7 +92,8 @@ if [[ $what == breakdown ]]; then
   label=$(git rev-parse --short HEAD 2>/dev/null || echo "${ROCENANTE_GIT_REVISION:-this-tree}" | cut -c1-7)
   build_timeline() {  # SOURCE TARGET LOG
     python3 -m pip install --no-build-isolation --no-deps -q --target "$2" "$1" \
-      -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir="$2-build" > "$3" 2>&1
+      -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir="$2-build" \
+      > "$3" 2>&1
   }
   build_timeline "$repo" /tmp/rocenante-timeline "$out/build-timeline.log" & this_build=$!
   if [[ -n $earlier ]]; then
