@@ -30,7 +30,6 @@ cross-clock piece is good to about half that round trip plus the drift within a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -40,11 +39,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from net_threads import WORLD, bf16_inputs, check, on_ranks
 
 # Event indices of csrc/timeline.h.
 K_START, K_RING, K_ARRIVED, K_END, P_RING, P_DELIVERED, P_ARRIVAL = range(7)
 SLOTS = 4096
-WORLD = 2
 IDLE_S = 0.1
 PIECES = ("staging", "doorbell", "wire", "arrival", "finish", "sum", "timed")
 
@@ -107,43 +106,24 @@ def measure(cfg, device):
     """Two ranks as threads; returns {"bytes|mode|piece": [values]}."""
     import rocenante
 
-    cuda = device.type == "cuda"
     store = dist.HashStore()
-    streams = [torch.cuda.Stream(device) for _ in range(WORLD)] if cuda else [None] * WORLD
+    streams = [torch.cuda.Stream(device) for _ in range(WORLD)] if device.type == "cuda" else None
     barrier = threading.Barrier(WORLD)
-    xs, ys = {}, {}
+    xs, ys, wants = {}, {}, {}
     for nbytes in cfg["bytes"]:
-        g = torch.Generator().manual_seed(nbytes)
-        xs[nbytes] = [torch.randn(nbytes // 2, generator=g).to(torch.bfloat16).to(device) for _ in range(WORLD)]
+        xs[nbytes], wants[nbytes] = bf16_inputs(nbytes, device)
         ys[nbytes] = [torch.empty_like(x) for x in xs[nbytes]]
-    results, errors = [None] * WORLD, []
 
     def run(rank):
+        comm = rocenante.Communicator(store, rank, WORLD, device=device, name="breakdown", net="tcp")
         try:
-            if cuda:
-                torch.cuda.set_device(device)
-            with torch.cuda.stream(streams[rank]) if cuda else contextlib.nullcontext():
-                comm = rocenante.Communicator(store, rank, WORLD, device=device, name="breakdown", net="tcp")
-                try:
-                    results[rank] = _rank(rank, comm, xs, ys, cfg, barrier)
-                finally:
-                    comm.close()
-        except BaseException as err:  # noqa: B036 - raised below with its rank
-            errors.append((rank, err))
-            barrier.abort()
+            return _rank(rank, comm, xs, ys, cfg, barrier)
+        finally:
+            comm.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        rank, err = errors[0]
-        raise RuntimeError(f"rank {rank}: {type(err).__name__}: {err}") from err
+    results = on_ranks(run, streams, barrier)
     for nbytes in cfg["bytes"]:
-        want = (xs[nbytes][0].float() + xs[nbytes][1].float()).to(torch.bfloat16)
-        if not all(torch.equal(y, want) for y in ys[nbytes]):
-            raise AssertionError(f"{nbytes} B: a rank's result differs from the rank-order fp32 sum")
+        check(ys[nbytes], wants[nbytes], f"{nbytes} B")
     return pieces(results)
 
 

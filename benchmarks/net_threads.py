@@ -57,9 +57,9 @@ METHOD = {
 }
 
 
-def on_ranks(fn, streams):
-    """fn(rank) on one thread per rank, each with its stream current; returns the results, raising the first
-    error with its rank."""
+def on_ranks(fn, streams, barrier=None):
+    """fn(rank) on one thread per rank, each with its stream current (streams None: CPU); returns the results,
+    raising the first error with its rank. A rank that fails breaks `barrier`, so that the other stops waiting."""
     results, errors = [None] * WORLD, []
 
     def run(rank):
@@ -72,6 +72,8 @@ def on_ranks(fn, streams):
                 results[rank] = fn(rank)
         except BaseException as err:  # noqa: B036 - raised below with the rank
             errors.append((rank, err))
+            if barrier is not None:
+                barrier.abort()
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
     for t in threads:
@@ -107,6 +109,13 @@ def build(device, streams):
     return comms
 
 
+def bf16_inputs(nbytes, device):
+    """Every rank's bf16 input of `nbytes` (seeded by the size), and their rank-order fp32 sum in bf16."""
+    g = torch.Generator().manual_seed(nbytes)
+    xs = [torch.randn(nbytes // 2, generator=g).to(torch.bfloat16).to(device) for _ in range(WORLD)]
+    return xs, (xs[0].float() + xs[1].float()).to(torch.bfloat16)
+
+
 def check(outs, want, what):
     for rank, y in enumerate(outs):
         if not torch.equal(y, want):
@@ -130,19 +139,15 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ["ROCENANTE_TEST_SHARED_GPU"] = "1"
     load_before = os.getloadavg()
     streams = [torch.cuda.Stream(device) for _ in range(WORLD)] if cuda else None
     comms = build(device, streams)
     arms = list(ARMS)
     inputs, wants, outs = {}, {}, {}
     for nbytes in a.bytes:
-        g = torch.Generator().manual_seed(nbytes)
-        xs = [torch.randn(nbytes // 2, generator=g).to(torch.bfloat16).to(device) for _ in range(WORLD)]
-        inputs[nbytes] = xs
-        wants[nbytes] = (xs[0].float() + xs[1].float()).to(torch.bfloat16)
+        inputs[nbytes], wants[nbytes] = bf16_inputs(nbytes, device)
         for arm in arms:
-            outs[arm, nbytes] = [torch.full_like(x, float("nan")) for x in xs]
+            outs[arm, nbytes] = [torch.full_like(x, float("nan")) for x in inputs[nbytes]]
 
     def warm(rank):
         for arm in arms:
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
                         for _ in range(a.graph_calls):
                             comms[arm][rank].all_reduce(inputs[nbytes][rank], out=outs[arm, nbytes][rank])
                     graphs[arm, nbytes, rank] = graph
-    barrier = threading.Barrier(WORLD)
+    barrier = threading.Barrier(WORLD)  # on_ranks breaks it if a rank fails
     # after_idle_gpu_busy: a third stream keeps one multiprocessor spinning through the idle time, so the GPU
     # never idles: what after_idle pays beyond it is the GPU's own idle state, not the proxy's or the wire's.
     idle_modes = ["after_idle"] + (["after_idle_gpu_busy"] if cuda else [])
@@ -215,7 +220,7 @@ def main(argv=None) -> int:
             keeper.synchronize()
         return times
 
-    per_rank = on_ranks(measure, streams)
+    per_rank = on_ranks(measure, streams, barrier)
     for key, pair in outs.items():
         check(pair, wants[key[1]], f"{key[0]}, {key[1]} B, after the timed calls")
     rows = [{"arm": arm, "mode": mode, "dtype": "bfloat16", "bytes": nbytes,
