@@ -26,6 +26,12 @@ def _bytes(x):
     return None if x is None else round(x)
 
 
+def _latencies(arms) -> list[dict]:
+    """Each arm's modelled time in us, {name: (algorithm, profile)}, for every node count and size."""
+    return [{"nodes": n, "bytes": s, **{a: round(f(p, n, s) * 1e6, 2) for a, (f, p) in arms.items()}}
+            for n in NODES for s in SIZES]
+
+
 def build(profiles) -> dict:
     fixed, per_token = decode.fit(profiles=profiles)
     roce = profiles["dgx-spark-roce"]
@@ -41,11 +47,8 @@ def build(profiles) -> dict:
         "revision": _revision(),
         "profiles": {p.name: {"alpha_us": p.alpha_s * 1e6, "bandwidth_GBps": p.bandwidth_Bps / 1e9,
                               "overhead_us": p.overhead_s * 1e6, "source": p.source} for p in profiles.values()},
-        "latency_us": [{"nodes": n, "bytes": s, **{a: round(f(p, n, s) * 1e6, 2) for a, (f, p) in arms.items()}}
-                       for n in NODES for s in SIZES],
-        "all_gather_reduce_scatter_latency_us": [
-            {"nodes": n, "bytes": s, **{a: round(f(p, n, s) * 1e6, 2) for a, (f, p) in shard_arms.items()}}
-            for n in NODES for s in SIZES],
+        "latency_us": _latencies(arms),
+        "all_gather_reduce_scatter_latency_us": _latencies(shard_arms),
         "crossover_bytes": [{"nodes": n, **{f"one-shot/{b}": _bytes(allreduce.crossover(roce, n, allreduce.one_shot,
                                                                                            allreduce.ALGORITHMS[b]))
                                             for b in ("two-shot", "ring")}} for n in NODES],
