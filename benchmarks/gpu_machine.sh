@@ -101,14 +101,17 @@ if [[ $what == breakdown ]]; then
       { tail -40 "$out/build-timeline-earlier.log"; exit 1; }
   fi
   wait $this_build || { tail -40 "$out/build-timeline.log"; exit 1; }
+  # BREAKDOWN_EARLIER_ENV: settings for the earlier tree's runs only (e.g. ROCENANTE_PROXY_SPIN_S=0.002, the 2 ms spin
+  # before a 50 us nap that fbf215f's proxy had). Waits are bounded at 60 s, so that a run that hangs costs little.
+  export ROCENANTE_TIMEOUT_S=${ROCENANTE_TIMEOUT_S:-60}
   runs=(this:cuda:0 this:cuda:0 this:cpu)
   [[ -n $earlier ]] && runs=(earlier:cuda:0 this:cuda:0 this:cuda:0 earlier:cuda:0 this:cpu)
   parts=() i=0
   for run in "${runs[@]}"; do
     which=${run%%:*} device=${run#*:} i=$((i + 1))
-    site=/tmp/rocenante-timeline name=$label
-    [[ $which == earlier ]] && site=/tmp/rocenante-timeline-earlier name=$label_earlier
-    (cd /tmp && PYTHONPATH=$site python3 "$repo/benchmarks/net_breakdown.py" --label "$name" --device "$device" \
+    site=/tmp/rocenante-timeline name=$label settings=()
+    [[ $which == earlier ]] && site=/tmp/rocenante-timeline-earlier name=$label_earlier settings=(${BREAKDOWN_EARLIER_ENV:-})
+    (cd /tmp && env "${settings[@]}" PYTHONPATH=$site python3 "$repo/benchmarks/net_breakdown.py" --label "$name" --device "$device" \
        --part "/tmp/breakdown-part-$i.json") 2>&1 | grep -v "every peer is reached" >> "$out/breakdown.log"
     rc=${PIPESTATUS[0]}
     status=$(( status || rc ))

@@ -88,8 +88,12 @@ def _rank(rank, comm, xs, ys, cfg, barrier):
             call()
         records = {}
         for _ in range(cfg["bursts"]):
+            # A calibration frees host memory, which waits for the whole device to idle: no rank may start its
+            # burst (a kernel that waits for the peer) before the peer's calibration is over, or both wait out
+            # the timeout (2026-12-03 on one H200: both builds timed out at the first call after the warm-up).
             barrier.wait()
             before = comm._c.clock_offset_ns()
+            barrier.wait()
             burst = [call() for _ in range(cfg["burst"])]
             after = comm._c.clock_offset_ns()
             records.update({("warm", e): ((before + after) // 2, us) for e, us in burst})
