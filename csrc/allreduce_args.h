@@ -1,4 +1,4 @@
-// Everything one all-reduce needs, passed by value to the host loop and to the kernel alike.
+// Everything one call needs, passed by value to the host loop and to the kernel alike.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +25,22 @@ struct RowNorm {
   uint32_t hidden;  // elements per row; 0: a plain all-reduce
 };
 
+// Every call of the protocol (a piece of a collective), whatever the collective.
 struct AllReduceArgs {
   const void* in;
-  void* out;  // may equal `in`
-  size_t count;  // elements
+  void* out;  // may equal `in` (an all-reduce)
+  size_t count;  // elements of the whole tensor (an all-gather's output, a reduce-scatter's input)
   size_t bytes;  // count * dtype_size
   DType dtype;
   ReduceOp op;
-  uint32_t signature;  // call_signature(count, dtype, op, norm.hidden != 0)
+  Collective collective;
+  Algorithm algorithm;
+  uint32_t signature;  // call_signature() of all of the above
+  // Sharded calls (two-shot, reduce-scatter, all-gather; layout.h): the shards, and the distance in bytes between
+  // consecutive shards in the caller's tensor (of `in` for a reduce-scatter, of `out` for an all-gather, of both
+  // for two-shot), which exceeds shard_bytes when the call is one piece of a larger one.
+  Shards shards;
+  size_t stride_bytes;
   int rank;
   int world;
   RegionLayout layout;
@@ -50,6 +58,21 @@ struct AllReduceArgs {
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
   RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
 };
+
+// Whether a call cuts its tensor into shards (Shards, layout.h), and the format its data travels in.
+ROCENANTE_HD bool sharded(const AllReduceArgs& a) {
+  return a.collective == Collective::kAllGather || a.collective == Collective::kReduceScatter ||
+         a.algorithm == Algorithm::kTwoShot;
+}
+ROCENANTE_HD Format format_of(const AllReduceArgs& a) { return format_of(a.collective, a.dtype); }
+// What the call writes into each area of its buffer (layout.h, footprint_ranges()).
+ROCENANTE_HD uint32_t footprint_of(const AllReduceArgs& a) {
+  return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));
+}
+// Bytes of each area the call may write: what a network peer's wire delivers.
+ROCENANTE_HD size_t call_span_bytes(const AllReduceArgs& a) {
+  return sharded(a) ? slots_span_bytes(a.shards, a.world, format_of(a)) : span_bytes(a.bytes, a.dtype);
+}
 
 // A wait for the peers in `pending` that has read the clock also reads the abort words of its region's header,
 // with `load` (the host's and the kernel's atomic loads differ), each only once whole (abort_whole(), layout.h):

@@ -87,9 +87,18 @@ PYBIND11_MODULE(_C, m) {
   layout.def("area_offset", [](size_t capacity_bytes, int world, int buffer, int receiver, int source) {
     return rocenante::RegionLayout{capacity_bytes, world}.area_offset(buffer, receiver, source);
   }, py::arg("capacity_bytes"), py::arg("world"), py::arg("buffer"), py::arg("receiver"), py::arg("source"));
-  layout.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch, bool fused) {
-    return rocenante::make_flag(rocenante::call_signature(count, dtype, op, fused), epoch);
-  }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"), py::arg("fused") = false);
+  py::enum_<rocenante::Collective>(layout, "Collective")
+      .value("all_reduce", rocenante::Collective::kAllReduce)
+      .value("fused_all_reduce", rocenante::Collective::kFusedAllReduce)
+      .value("all_gather", rocenante::Collective::kAllGather)
+      .value("reduce_scatter", rocenante::Collective::kReduceScatter);
+  layout.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch,
+                             rocenante::Collective collective, bool two_shot) {
+    const auto algorithm = two_shot ? rocenante::Algorithm::kTwoShot : rocenante::Algorithm::kOneShot;
+    return rocenante::make_flag(rocenante::call_signature(count, dtype, op, collective, algorithm), epoch);
+  }, py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("epoch"),
+     py::arg("collective") = rocenante::Collective::kAllReduce, py::arg("two_shot") = false);
+  layout.attr("never") = Communicator::kNever;
   layout.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
   layout.attr("buffers") = rocenante::kBuffers;
   layout.attr("epoch_period") = rocenante::kEpochPeriod;
@@ -105,22 +114,31 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
                        rocenante::OnFault on_fault, rocenante::Net net,
                        const std::vector<std::tuple<std::string, int, int, int, int>>& rdma_paths, uint32_t first_call,
-                       double proxy_spin_s, rocenante::Signal signal) {
+                       double proxy_spin_s, rocenante::Signal signal, uint32_t twoshot_from) {
              std::vector<rocenante::IbPath> paths;
              for (const auto& [dev, port, gid, tc, sl] : rdma_paths) paths.push_back({dev, port, gid, tc, sl});
              return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call,
-                                     proxy_spin_s, signal);
+                                     proxy_spin_s, signal, twoshot_from);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kShm,
            py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int, int, int>>{}, py::arg("first_call") = 1,
-           py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS, py::arg("signal") = rocenante::Signal::kFlag)
+           py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS, py::arg("signal") = rocenante::Signal::kFlag,
+           py::arg("twoshot_from") = Communicator::kNever)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })
       // Over the TCP wire connecting waits for the peers (up to 30 s): other Python threads keep running.
       .def("connect", &Communicator::connect, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
       .def("all_connected", &Communicator::all_connected)
       .def("all_reduce", &Communicator::all_reduce, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("all_gather", &Communicator::all_gather, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
+           py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("two_shot", [](const Communicator& c, size_t bytes) {
+             return c.algorithm_for(bytes) == rocenante::Algorithm::kTwoShot;
+           }, py::arg("bytes"))
+      .def_property_readonly("twoshot_from", &Communicator::twoshot_from_bytes)
       .def("fuses_add_rmsnorm", &Communicator::fuses_add_rmsnorm, py::arg("count"), py::arg("hidden"), py::arg("dtype"))
       .def("all_reduce_add_rmsnorm", &Communicator::all_reduce_add_rmsnorm, py::arg("inp"), py::arg("residual_in"),
            py::arg("gamma"), py::arg("residual_out"), py::arg("norm_out"), py::arg("count"), py::arg("hidden"),

@@ -38,10 +38,29 @@ const char* op_name(ReduceOp op) {
   }
   return "?";
 }
-std::string describe_call(size_t count, DType dtype, ReduceOp op, bool fused = false) {
-  return std::to_string(count) + " x " + dtype_name(dtype) + " (op " + op_name(op) +
-         (fused ? ", fused with the residual add and RMSNorm)" : ")");
+const char* collective_name(Collective c) {
+  switch (c) {
+    case Collective::kAllReduce:
+    case Collective::kFusedAllReduce: return "all_reduce";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kReduceScatter: return "reduce_scatter";
+  }
+  return "?";
 }
+// A call as the protocol sees it (a signature's fields), e.g. "all_reduce with 1024 x float32 (op sum)"; `count`
+// counts the whole tensor (an all-gather's output, a reduce-scatter's input).
+std::string describe_call(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
+                          Algorithm algorithm = Algorithm::kOneShot) {
+  std::string what = std::string(collective_name(collective)) + " with " + std::to_string(count) + " x " +
+                     dtype_name(dtype);
+  if (collective == Collective::kAllGather || collective == Collective::kReduceScatter) what += " in all";
+  if (collective == Collective::kAllGather) return what;
+  return what + " (op " + op_name(op) +
+         (collective == Collective::kFusedAllReduce ? ", fused with the residual add and RMSNorm)"
+          : algorithm == Algorithm::kTwoShot       ? ", two-shot)"
+                                                   : ")");
+}
+std::string describe_call(const AllReduceArgs& a) { return describe_call(a.count, a.dtype, a.op, a.collective, a.algorithm); }
 
 // What every rank must agree on before any line moves; sent in front of the transport's handle.
 struct Config {
@@ -51,13 +70,14 @@ struct Config {
   int32_t on_gpu;
   uint32_t first_epoch;  // the number of the first call (1; near the wrap in tests of it)
   uint32_t signal;       // Signal (transport.h)
-  uint32_t zero;
+  uint32_t twoshot_from;  // all-reduces of at least this many bytes go two-shot (kNever: none)
 };
 static_assert(sizeof(Config) == 32, "Config travels as raw bytes: no implicit padding");
 static_assert(sizeof(Config) == kConfigBytes, "communicator.h says where the identity starts");
 
-Config config_of(int world, size_t capacity_bytes, int device, uint32_t first_epoch, Signal signal) {
-  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, first_epoch, uint32_t(signal), 0};
+Config config_of(int world, size_t capacity_bytes, int device, uint32_t first_epoch, Signal signal,
+                 uint32_t twoshot_from) {
+  return Config{kConfigMagic, uint32_t(world), capacity_bytes, device >= 0, first_epoch, uint32_t(signal), twoshot_from};
 }
 
 const char* signal_name(uint32_t signal) {
@@ -112,12 +132,13 @@ std::string parse_handle(int p, const std::string& handle, const Config& mine, P
   Config theirs{};
   std::memcpy(&theirs, handle.data(), sizeof(theirs));
   if (theirs.first_epoch >= kEpochPeriod || (theirs.on_gpu != 0 && theirs.on_gpu != 1) ||
-      theirs.signal > uint32_t(Signal::kFlagFirst) || theirs.zero != 0)
+      theirs.signal > uint32_t(Signal::kFlagFirst))
     ROCENANTE_THROW(Error, rank + " published a malformed configuration");
   const auto describe = [](const Config& c) {
     return "world " + std::to_string(c.world) + ", capacity " + std::to_string(c.capacity_bytes) + " bytes, " +
            (c.on_gpu ? "GPU" : "CPU") + ", first call " + std::to_string(c.first_epoch) + ", network signal " +
-           signal_name(c.signal);
+           signal_name(c.signal) + ", two-shot " +
+           (c.twoshot_from == Communicator::kNever ? std::string("never") : "from " + std::to_string(c.twoshot_from) + " bytes");
   };
   if (std::memcmp(&theirs, &mine, sizeof(Config)) != 0)
     ROCENANTE_THROW(Error, rank + " is configured differently: " + describe(theirs) + "; this rank: " + describe(mine));
@@ -192,9 +213,10 @@ void Communicator::refuse_in_forked_child() const {
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
                            Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s,
-                           Signal signal)
+                           Signal signal, uint32_t twoshot_from)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kShm ? Signal::kFlag : signal),
+      twoshot_from_(twoshot_from),
       issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch),
       peer_processes_(world), creator_pid_(getpid()),
       forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
@@ -220,6 +242,10 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
+  if (twoshot_from != kNever && net != Net::kShm)
+    ROCENANTE_THROW(InvalidArgument, "two-shot all-reduce is not built for the network path yet (set ROCENANTE_ALGO=oneshot)");
+  if (twoshot_from != kNever && device >= 0)
+    ROCENANTE_THROW(InvalidArgument, "two-shot all-reduce is not built for GPU tensors yet (set ROCENANTE_ALGO=oneshot)");
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
@@ -256,7 +282,7 @@ Communicator::~Communicator() { close(); }
 
 std::string Communicator::local_handle() const {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
-  const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
+  const Config c = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_, twoshot_from_);
   const ProcessIdentity me = this_process();
   return std::string(reinterpret_cast<const char*>(&c), sizeof(c)) +
          std::string(reinterpret_cast<const char*>(&me), sizeof(me)) + transport_->local_handle();
@@ -266,7 +292,7 @@ void Communicator::connect(const std::vector<std::string>& handles) {
   if (transport_ == nullptr) ROCENANTE_THROW(Closed, "communicator is closed");
   if (int(handles.size()) != world_)
     ROCENANTE_THROW(InvalidArgument, "expected " + std::to_string(world_) + " handles, got " + std::to_string(handles.size()));
-  const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_);
+  const Config mine = config_of(world_, layout_.capacity_bytes, device_, first_epoch_, signal_, twoshot_from_);
   std::vector<std::string> transport_handles(world_);
   std::vector<ProcessIdentity> peers(world_);
   for (int p = 0; p < world_; ++p) {
@@ -296,13 +322,22 @@ void Communicator::validate_shared(DType dtype, ReduceOp op) const {
   if (dtype == DType::kInt32 && op == ReduceOp::kAvg) ROCENANTE_THROW(InvalidArgument, "op avg is not defined for int32");
 }
 
-// What only this rank can see about its call; nullptr when the pointers are fine.
-const char* Communicator::validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const {
+// What only this rank can see about its call; nullptr when the pointers are fine. The output may overlap the
+// input only where it is the same memory: an all-reduce in place, an all-gather whose input is this rank's
+// shard of the output, a reduce-scatter whose output is this rank's shard of the input.
+const char* Communicator::validate_local(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype) const {
   const size_t esize = dtype_size(dtype);
-  const size_t bytes = count * esize;
+  const size_t shard = count * esize;  // bytes of a rank's part: the whole tensor for an all-reduce
+  const size_t in_bytes = c == Collective::kReduceScatter ? shard * world_ : shard;
+  const size_t out_bytes = c == Collective::kAllGather ? shard * world_ : shard;
   if (in == 0 || out == 0) return "null input or output pointer";
   if (in % esize != 0 || out % esize != 0) return "input and output must be aligned to their element size";
-  if (in != out && in < out + bytes && out < in + bytes) return "input and output overlap without being the same buffer";
+  const bool same = c == Collective::kAllGather       ? in == out + rank_ * shard
+                    : c == Collective::kReduceScatter ? out == in + rank_ * shard
+                                                      : in == out;
+  if (!same && in < out + out_bytes && out < in + in_bytes)
+    return c == Collective::kAllReduce ? "input and output overlap without being the same buffer"
+                                       : "input and output overlap other than where this rank's shard lies";
   return nullptr;
 }
 
@@ -341,8 +376,8 @@ uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t&
   issued_ = epoch;
   try {
     if (kernel_ == nullptr) {
-      const uint64_t fault = host_allreduce(a, epoch, reset_span_, interrupt_check_);
-      reset_span_ = span_bytes(a.bytes, a.dtype);
+      const uint64_t fault = host_allreduce(a, epoch, reset_footprint_, interrupt_check_);
+      reset_footprint_ = footprint_of(a);
       return fault;
     }
     if (kernel_->launch(a, stream)) captured_ = true;
@@ -350,44 +385,87 @@ uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t&
     return 0;
   } catch (const std::exception& err) {
     abort_call(encode_fault(Fault::kLaunchFailed, rank_, 0), epoch,
-               "could not launch " + describe_call(a.count, a.dtype, a.op, a.norm.hidden != 0) + ": " + err.what());
+               "could not launch " + describe_call(a) + ": " + err.what());
   }
 }
 
+Algorithm Communicator::algorithm_for(size_t bytes) const {
+  return bytes >= twoshot_from_ ? Algorithm::kTwoShot : Algorithm::kOneShot;
+}
+
 uint32_t Communicator::all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream) {
+  return call(Collective::kAllReduce, in, out, count, dtype, op, stream);
+}
+
+uint32_t Communicator::all_gather(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream) {
+  return call(Collective::kAllGather, in, out, count, dtype, ReduceOp::kSum, stream);
+}
+
+uint32_t Communicator::reduce_scatter(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op,
+                                      uintptr_t stream) {
+  return call(Collective::kReduceScatter, in, out, count, dtype, op, stream);
+}
+
+uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op,
+                            uintptr_t stream) {
   refuse_in_forked_child();  // before the lock, which a thread that did not fork may have held
   std::unique_lock<std::mutex> lock(issue_);
+  const size_t esize = uint32_t(dtype) < kNumDTypes ? dtype_size(dtype) : 0;
+  const size_t out_bytes = count * esize * (c == Collective::kAllGather ? world_ : 1);
   // A CPU call that a known fault stops before it starts computes nothing: its output is poisoned, as a faulted
   // call's is (a GPU call's output is the kernel's to poison, and no kernel is launched).
-  if (kernel_ == nullptr && uint32_t(dtype) < kNumDTypes && count > 0 && current_fault() != 0 &&
-      validate_local(in, out, count, dtype) == nullptr)
-    poison_host(reinterpret_cast<char*>(out), count * dtype_size(dtype), dtype);
+  if (kernel_ == nullptr && esize != 0 && count > 0 && current_fault() != 0 &&
+      validate_local(c, in, out, count, dtype) == nullptr)
+    poison_host(reinterpret_cast<char*>(out), out_bytes, dtype);
   check_issuable(dtype, op);
   if (count == 0) return issued_;  // nothing issued: it completes with the call before
-  if (const char* why = validate_local(in, out, count, dtype)) {
+  AllReduceArgs a = call_args(dtype, op);
+  a.collective = c;
+  a.algorithm = c == Collective::kAllReduce ? algorithm_for(count * esize) : Algorithm::kOneShot;
+  const std::string what = describe_call(count * (c == Collective::kAllReduce ? 1 : world_), dtype, op, c, a.algorithm);
+  // Shared facts: every rank refuses alike, and the communicator stays usable.
+  if (kernel_ != nullptr && c != Collective::kAllReduce)
+    ROCENANTE_THROW(InvalidArgument, what + ": not built for GPU tensors yet");
+  if (const char* why = validate_local(c, in, out, count, dtype)) {
     lock.unlock();
-    refuse(describe_call(count, dtype, op) + ": " + why);
+    refuse(what + ": " + why);
   }
 
-  AllReduceArgs a = call_args(dtype, op);
-
-  // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A piece is a
-  // multiple of 512 bytes, so every piece keeps the caller's alignment.
-  const size_t esize = dtype_size(dtype);
-  const size_t piece = piece_bytes(layout_.capacity_bytes, dtype) / esize;
+  // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A one-shot piece is
+  // a multiple of 512 bytes, so every piece keeps the caller's alignment; a sharded call's pieces take the same
+  // part of every shard (of a two-shot call: consecutive parts of the tensor).
+  const Format format = format_of(c, dtype);
+  const bool one_shot = c == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot;
+  const size_t slot = max_slot_chunks(layout_.capacity_bytes, world_, format) * kChunkBytes / esize;  // elements
+  const size_t piece = one_shot ? piece_bytes(layout_.capacity_bytes, dtype) / esize
+                       : c == Collective::kAllReduce ? slot * world_
+                                                     : slot;  // of each shard
+  const size_t per_piece_shards = c == Collective::kAllReduce ? 1 : world_;
   uint32_t epoch = 0;
   for (size_t first = 0; first < count; first += piece) {
-    a.count = std::min(piece, count - first);
+    const size_t n = std::min(piece, count - first);
+    a.count = n * per_piece_shards;
     a.bytes = a.count * esize;
     a.in = reinterpret_cast<const char*>(in) + first * esize;
     a.out = reinterpret_cast<char*>(out) + first * esize;
-    a.signature = call_signature(a.count, dtype, op);
+    if (c == Collective::kAllReduce) {
+      a.shards = two_shot_shards(a.bytes, world_);
+      a.stride_bytes = a.shards.shard_bytes;
+    } else {
+      a.shards = even_shards(n * esize, world_);
+      a.stride_bytes = count * esize;
+    }
+    a.signature = call_signature(a.count, dtype, c == Collective::kAllGather ? ReduceOp::kSum : op, c, a.algorithm);
     const uint64_t fault = issue(a, stream, epoch);
     if (fault == 0) continue;
-    // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one.
-    poison_host(reinterpret_cast<char*>(out) + (first + a.count) * esize, (count - first - a.count) * esize, dtype);
+    // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one
+    // (a sharded call: its whole output).
+    if (one_shot)
+      poison_host(reinterpret_cast<char*>(out) + (first + n) * esize, (count - first - n) * esize, dtype);
+    else
+      poison_host(reinterpret_cast<char*>(out), out_bytes, dtype);
     if (record(fault, epoch)) tell_peers(fault, epoch);
-    fail(fault_.load(), describe_call(count, dtype, op));
+    fail(fault_.load(), what);
   }
   return epoch;
 }
@@ -435,20 +513,22 @@ uint32_t Communicator::all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_i
   // The same refusal on every rank (their calls share count, hidden and dtype, or mismatch): still usable.
   if (!fuses_add_rmsnorm(count, hidden, dtype))
     ROCENANTE_THROW(InvalidArgument,
-                    describe_call(count, dtype, ReduceOp::kSum, true) + " in rows of " + std::to_string(hidden) +
+                    describe_call(count, dtype, ReduceOp::kSum, Collective::kFusedAllReduce) + " in rows of " +
+                        std::to_string(hidden) +
                         ": not fused here (fused: GPU, a float dtype, rows of a multiple of 16 bytes up to " +
                         std::to_string(kThreads * kMaxRowChunks * kChunkBytes) + ", one piece of at most " +
                         std::to_string(layout_.capacity_bytes) + " bytes)");
   if (const char* why = validate_fused(in, residual_in, gamma, residual_out, norm_out, count, hidden, dtype)) {
     lock.unlock();
-    refuse(describe_call(count, dtype, ReduceOp::kSum, true) + ": " + why);
+    refuse(describe_call(count, dtype, ReduceOp::kSum, Collective::kFusedAllReduce) + ": " + why);
   }
 
   AllReduceArgs a = call_args(dtype, ReduceOp::kSum);
   a.count = count;
   a.bytes = count * dtype_size(dtype);
   a.in = reinterpret_cast<const void*>(in);
-  a.signature = call_signature(count, dtype, ReduceOp::kSum, true);
+  a.collective = Collective::kFusedAllReduce;
+  a.signature = call_signature(count, dtype, ReduceOp::kSum, Collective::kFusedAllReduce);
   a.norm = RowNorm{reinterpret_cast<const void*>(residual_in), reinterpret_cast<void*>(residual_out),
                    reinterpret_cast<void*>(norm_out), reinterpret_cast<const void*>(gamma), eps, weight_bias,
                    uint32_t(hidden)};
@@ -581,11 +661,12 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
     }
     case Fault::kCallMismatch: {
       const uint32_t sig = fault_value(fault);
-      return where + "rank " + std::to_string(detail) + " called all_reduce with " +
-             describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig), signature_fused(sig)) +
-             (this_call.empty() ? "" : ", this rank with " + this_call) +
-             "; every rank must pass the same size, dtype and op (and fuse the add and RMSNorm or not alike). "
-             "The communicator is closed";
+      return where + "rank " + std::to_string(detail) + " called " +
+             describe_call(signature_count(sig), signature_dtype(sig), signature_op(sig), signature_collective(sig),
+                           signature_algorithm(sig)) +
+             (this_call.empty() ? "" : ", this rank " + this_call) +
+             "; every rank must make the same call: collective, size, dtype and op (and fuse the add and RMSNorm or "
+             "not alike). The communicator is closed";
     }
     case Fault::kPeerAborted:
       return where + "rank " + std::to_string(detail) + " aborted the communicator: " + abort_reason(fault_value(fault)) + closed;

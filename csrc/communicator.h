@@ -32,9 +32,9 @@ enum class OnFault : uint32_t { kRaise = 0, kAbort = 1 };
 enum class Net : uint32_t { kShm = 0, kIb = 1, kTcp = 2 };
 
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
-// CPU or GPU, first call, network signal), the process's identity (pid, start time), then the transport's part
-// (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4337;  // "ROC7": bump when the protocol or the handle changes
+// CPU or GPU, first call, network signal, two-shot size), the process's identity (pid, start time), then the
+// transport's part (communicator.cc).
+constexpr uint32_t kConfigMagic = 0x524f4338;  // "ROC8": bump when the protocol or the handle changes
 constexpr size_t kConfigBytes = 32;
 constexpr size_t kHandleHeaderBytes = 48;
 
@@ -43,14 +43,17 @@ class Communicator : public Watched {
   // Longest wait for a peer, in seconds (about 31.7 years); longer timeouts, infinity included, are clamped to
   // it: in nanoseconds, added to any clock the waits read (%globaltimer counts from 1970), it cannot overflow.
   static constexpr double kMaxTimeoutS = 1e9;
+  // twoshot_from: no all-reduce goes two-shot.
+  static constexpr uint32_t kNever = 0xFFFFFFFFu;
 
   // device < 0: CPU memory; otherwise the CUDA device ordinal. net: how every peer is reached; Net::kIb takes
   // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
   // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
   // signal: how a network peer's delivery tells the reducer it is whole (transport.h); unused without one.
+  // twoshot_from: all-reduces of at least this many bytes go two-shot (kNever: none); every rank alike (Config).
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
                Net net = Net::kShm, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
-               double proxy_spin_s = kDefaultProxySpinS, Signal signal = Signal::kFlag);
+               double proxy_spin_s = kDefaultProxySpinS, Signal signal = Signal::kFlag, uint32_t twoshot_from = kNever);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -66,6 +69,15 @@ class Communicator : public Watched {
   // thread and stream execute in the order they are issued here. Returns the call's number (its epoch, as long
   // as no captured graph has replayed calls: see captured()); for an empty call the previous call's.
   uint32_t all_reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  // out = the `count` elements of `in` of every rank, in rank order (world * count elements); `in` may be this
+  // rank's part of `out`. Issued and completed as all_reduce().
+  uint32_t all_gather(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream);
+  // out = this rank's part, elements [rank * count, (rank + 1) * count), of op over ranks of `in` (world * count
+  // elements); `out` may be that part of `in`. Issued and completed as all_reduce().
+  uint32_t reduce_scatter(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  // How all_reduce() moves a call of `bytes` bytes: two-shot from twoshot_from_bytes() on (agreed at startup).
+  Algorithm algorithm_for(size_t bytes) const;
+  uint32_t twoshot_from_bytes() const { return twoshot_from_; }
   // Whether all_reduce_add_rmsnorm() serves `count` elements of `dtype` in rows of `hidden`: a GPU communicator,
   // and a call the kernel fuses (fuses_add_rmsnorm(), device/oneshot_kernel.h) of one piece. It depends only on
   // what every rank's call shares, so every rank answers alike.
@@ -120,7 +132,9 @@ class Communicator : public Watched {
 
  private:
   void validate_shared(DType dtype, ReduceOp op) const;
-  const char* validate_local(uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
+  const char* validate_local(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
+  // One call of any collective from the API (count: all_reduce's, all_gather's or reduce_scatter's): its pieces.
+  uint32_t call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
   const char* validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
                              uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;
   // The arguments every call of this communicator shares (its rank, regions, transports, timeout).
@@ -160,6 +174,7 @@ class Communicator : public Watched {
   RegionLayout layout_;
   uint32_t first_epoch_;
   Signal signal_;  // of the network path; Signal::kFlag when every peer is direct (Config)
+  uint32_t twoshot_from_;
   uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
   uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
   std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into
@@ -172,7 +187,7 @@ class Communicator : public Watched {
   // watchdog's watch(), from any thread, the GIL not held): shared there, exclusive where close() resets them.
   mutable std::shared_mutex lifetime_;
   std::atomic<uint32_t> issued_;           // the epoch of the last call (piece) issued, from first_epoch_ on
-  size_t reset_span_ = 0;                  // CPU path: span_bytes() of the last call, reset by the next one
+  uint32_t reset_footprint_ = 0;           // CPU path: footprint_of() the last call, reset by the next one
   uint32_t launched_;                      // GPU path: the device's call counter once every launch so far ended
   std::atomic<bool> captured_{false};
   std::mutex recording_;                   // guards the fault record's writes and message_

@@ -1,12 +1,14 @@
-// One-shot all-reduce of CPU tensors: the protocol of layout.h run by one thread (peers on this host through
-// shared memory, network peers through the proxy's mailbox).
-//   1. push:  write the call word, then our input (Lamport: sanitized; int32: as lines) into our area of this
-//             call's buffer in every peer's region (network peers: in our image of it, then ring the proxy's
-//             doorbell, layout.h's Mailbox);
+// The collectives of CPU tensors: the protocol of layout.h run by one thread (peers on this host through shared
+// memory, network peers through the proxy's mailbox), one call (a piece) at a time.
+//   1. push:  write the call word, then our data (Lamport: sanitized; int32 and all-gathers: as lines) into our
+//             area of this call's buffer in every peer's region (network peers: in our image of it, then ring the
+//             proxy's doorbell, layout.h's Mailbox): our whole input (one-shot), each peer's shard of it
+//             (two-shot's first exchange, reduce-scatter) or our shard (all-gather);
 //   2. reset: write kEmpty over the previous call's buffer of our own region;
 //   3. pull:  wait for every peer's call word (network peers: once their arrival word says the delivery is
 //             whole), then block by block for every peer's data, combine all inputs in rank order and write the
-//             output.
+//             output (one-shot: all of it; two-shot: our shard, also sent to every peer, then the peers' reduced
+//             shards as they arrive; reduce-scatter: our shard), or copy the peers' shards out (all-gather).
 //
 // Element atomicity (layout.h relies on it): every word a peer polls is written by one aligned store that
 // covers it whole, and read by one aligned load that covers it whole:
@@ -66,14 +68,14 @@ inline bool any_lane(Words m) {
   return (q[0] | q[1]) != 0;
 }
 
-// A chunk of input as every rank reduces it: for the Lamport format sanitize_word() on every word (-0.0
-// elements become +0.0, so no sent word is kEmpty); int32 as it is.
-template <DType D>
+// A chunk as it is sent in format F, and as every rank reduces its own input: for the Lamport format
+// sanitize_word() on every word (-0.0 elements become +0.0, so no sent word is kEmpty); lines as it is.
+template <DType D, Format F = format_of(D)>
 Words sanitize(Words w) {
-  if constexpr (D == DType::kFloat32) {
-    return w & ~Words(w == kEmpty);
-  } else if constexpr (D == DType::kInt32) {
+  if constexpr (F == Format::kLines) {
     return w;
+  } else if constexpr (D == DType::kFloat32) {
+    return w & ~Words(w == kEmpty);
   } else {
     const Halves h = Halves(w);
     return Words(h & ~Halves(h == uint16_t(0x8000)));
@@ -84,17 +86,17 @@ Words sanitize(Words w) {
 // aligned staging of one block (1 KiB) that stays in L1 with the block's partial results (at most 2 KiB).
 constexpr size_t kBlockChunks = 64;
 
-// Chunks [c0, c0 + n) of the caller's input, staged: the caller's buffers are aligned to their element size only,
-// and the last chunk may be partial (its missing bytes read as zero). The caller's memory is private to this
-// rank, so libc's memcpy moves it.
-inline void load_block(const AllReduceArgs& a, size_t c0, size_t n, Words* staged) {
-  const size_t begin = c0 * kChunkBytes, bytes = std::min(n * kChunkBytes, a.bytes - begin);
-  std::memcpy(staged, static_cast<const char*>(a.in) + begin, bytes);
-  std::memset(reinterpret_cast<char*>(staged) + bytes, 0, n * kChunkBytes - bytes);
+// Chunks [c0, c0 + n) of the `bytes` bytes at `base` (a caller's tensor, or a shard of it), staged: the caller's
+// buffers are aligned to their element size only, and the last chunk may be partial (its missing bytes read as
+// zero). The caller's memory is private to this rank, so libc's memcpy moves it.
+inline void load_block(const void* base, size_t bytes, size_t c0, size_t n, Words* staged) {
+  const size_t begin = c0 * kChunkBytes, have = std::min(n * kChunkBytes, bytes - begin);
+  std::memcpy(staged, static_cast<const char*>(base) + begin, have);
+  std::memset(reinterpret_cast<char*>(staged) + have, 0, n * kChunkBytes - have);
 }
-inline void store_block(const AllReduceArgs& a, size_t c0, size_t n, const Words* staged) {
+inline void store_block(void* base, size_t bytes, size_t c0, size_t n, const Words* staged) {
   const size_t begin = c0 * kChunkBytes;
-  std::memcpy(static_cast<char*>(a.out) + begin, staged, std::min(n * kChunkBytes, a.bytes - begin));
+  std::memcpy(static_cast<char*>(base) + begin, staged, std::min(n * kChunkBytes, bytes - begin));
 }
 
 // Waits with backoff that yields the core: spin (a peer running on another core arrives within microseconds),
@@ -170,10 +172,10 @@ uint64_t wait_for(const AllReduceArgs& a, int source, InterruptCheck interrupted
   }
 }
 
-// Chunk `c` of a peer's area, once it has arrived: the data words of its two lines for int32.
-template <DType D>
+// Chunk `c` of a peer's area, once it has arrived: the data words of its two lines in the line format.
+template <Format F>
 Words peer_chunk(const uint32_t* area, size_t c) {
-  if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (F == Format::kLamport) {
     return get_chunk(area + c * 4);
   } else {
     Words w = {0, 0, 0, 0};
@@ -188,9 +190,9 @@ Words peer_chunk(const uint32_t* area, size_t c) {
 
 // One look at chunks [c, end) of a peer's area: the first chunk not yet wholly arrived, or `end`. A waiting
 // rank polls from there, so it reads again neither what has arrived nor lines the peer is still writing.
-template <DType D>
+template <Format F>
 size_t arrived_until(const uint32_t* area, size_t c, size_t end, uint32_t call) {
-  if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (F == Format::kLamport) {
     for (; c + 4 <= end; c += 4) {  // a 64-byte line at a time, then the chunk that is not there
       const uint32_t* p = area + c * 4;
       if (any_lane(Words(get_chunk(p) == kEmpty) | Words(get_chunk(p + 4) == kEmpty) |
@@ -294,58 +296,131 @@ struct Reducer<DType::kBFloat16, Op> {
   }
 };
 
-// Reduces chunks [c0, c0 + n), all arrived, in rank order; `areas[s]` is peer s's area.
-template <DType D, ReduceOp Op>
-void reduce_block(const AllReduceArgs& a, const uint32_t* const* areas, size_t c0, size_t n) {
-  using R = Reducer<D, Op>;
-  typename R::Acc acc[kBlockChunks];
-  Words staged[kBlockChunks];  // our input, then the output
-  load_block(a, c0, n, staged);
-  const auto fold = [&](bool first, auto chunk) {
-    if (first) {
-      for (size_t i = 0; i < n; ++i) acc[i] = R::from(chunk(i));
-    } else {
-      for (size_t i = 0; i < n; ++i) acc[i] = R::combine(acc[i], chunk(i));
-    }
-  };
-  for (int s = 0; s < a.world; ++s) {
-    if (s == a.rank)
-      fold(s == 0, [&](size_t i) { return sanitize<D>(staged[i]); });
-    else
-      fold(s == 0, [&](size_t i) { return peer_chunk<D>(areas[s], c0 + i); });
+// Stores staged chunks (as sent: sanitize()d) as chunks [c0, c0 + n) of `dst`, an area of a peer's region (or of
+// our image of it), in format F.
+template <Format F>
+void put_chunks(uint32_t* dst, size_t c0, size_t n, const Words* staged, uint32_t call) {
+  if constexpr (F == Format::kLamport) {
+    for (size_t i = 0; i < n; ++i) put_chunk(dst + (c0 + i) * 4, staged[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      for (int h = 0; h < int(kLinesPerChunk); ++h) {
+        uint32_t* line = dst + chunk_line(c0 + i, h) * 4;
+        store_half(line, staged[i][2 * h], call);
+        store_half(line + 2, staged[i][2 * h + 1], call);
+      }
   }
-  for (size_t i = 0; i < n; ++i) staged[i] = R::finish(acc[i], a.world);
-  store_block(a, c0, n, staged);
 }
 
-template <DType D>
-void push(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks) {
-  uint32_t* dst[kMaxRanks];
-  int peers = 0;
-  for (int p = 0; p < a.world; ++p)
-    if (a.stores & (1u << p)) dst[peers++] = area(a.peer[p], a.layout, buffer, p, a.rank);
+// The areas this rank writes a call into: its area of buffer b in the region of each peer in `peers`.
+struct Destinations {
+  uint32_t* area[kMaxRanks];
+  int count = 0;
+  Destinations(const AllReduceArgs& a, int buffer, uint32_t peers) {
+    for (int p = 0; p < a.world; ++p)
+      if (peers & (1u << p)) area[count++] = rocenante::area(a.peer[p], a.layout, buffer, p, a.rank);
+  }
+};
+
+// Sends the `bytes` bytes at `src` as chunks [at, at + ceil(bytes / 16)) of every destination's area.
+template <DType D, Format F>
+void send(const Destinations& to, const void* src, size_t bytes, size_t at, uint32_t call) {
+  const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
   Words staged[kBlockChunks];
   for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const size_t n = std::min(kBlockChunks, chunks - c0);
-    load_block(a, c0, n, staged);
-    for (size_t i = 0; i < n; ++i) staged[i] = sanitize<D>(staged[i]);
-    for (int p = 0; p < peers; ++p) {
-      if constexpr (format_of(D) == Format::kLamport) {
-        for (size_t i = 0; i < n; ++i) put_chunk(dst[p] + (c0 + i) * 4, staged[i]);
-      } else {
-        for (size_t i = 0; i < n; ++i)
-          for (int h = 0; h < int(kLinesPerChunk); ++h) {
-            uint32_t* line = dst[p] + chunk_line(c0 + i, h) * 4;
-            store_half(line, staged[i][2 * h], call);
-            store_half(line + 2, staged[i][2 * h + 1], call);
-          }
-      }
-    }
+    load_block(src, bytes, c0, n, staged);
+    for (size_t i = 0; i < n; ++i) staged[i] = sanitize<D, F>(staged[i]);
+    for (int p = 0; p < to.count; ++p) put_chunks<F>(to.area[p], at + c0, n, staged, call);
   }
 }
 
+// The push (step 1): this rank's data of the call into every peer's area (layout.h, Shards). A network peer's
+// area is our image of its region, one for the peers below us and one for those above (AllReduceArgs::stores),
+// so what each of those peers reads from it is written there: every shard but ours.
+template <DType D>
+void push(const AllReduceArgs& a, int buffer, uint32_t call) {
+  constexpr Format F = format_of(D);
+  const Shards& sh = a.shards;
+  switch (a.collective == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot ? -1 : int(a.collective)) {
+    case -1:
+      send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
+      return;
+    case int(Collective::kAllGather):
+      send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.shard_bytes, a.rank * sh.slot_chunks, call);
+      return;
+    default:  // two-shot's first exchange, a reduce-scatter
+      for (int p = 0; p < a.world; ++p) {
+        if (!(a.stores & (1u << p))) continue;
+        const Destinations to(a, buffer, 1u << p);
+        for (int s = 0; s < a.world; ++s)
+          if (s == p || (s != a.rank && (a.network & (1u << p))))
+            send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
+                       call);
+      }
+  }
+}
+
+// Waits until chunks [at, at + chunks) of `from` (a peer's area in our region) have all arrived; 0 or the fault.
+template <Format F>
+uint64_t wait_chunks(const AllReduceArgs& a, const uint32_t* from, int source, size_t at, size_t chunks, uint32_t call,
+                     InterruptCheck interrupted) {
+  size_t next = at;
+  const size_t end = at + chunks;
+  return wait_for(a, source, interrupted, [&] { return (next = arrived_until<F>(from, next, end, call)) == end; });
+}
+
+// Reduces `bytes` bytes in rank order: ours at `in`, each peer's as chunks [at, ...) of its area (`areas[s]`,
+// waited for block by block), into `out`; each block of results is also sent to `forward` (two-shot's second
+// exchange). `done`: bytes of `out` written.
 template <DType D, ReduceOp Op>
-uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCheck interrupted, size_t& done) {
+uint64_t reduce(const AllReduceArgs& a, const uint32_t* const* areas, size_t at, const void* in, void* out,
+                size_t bytes, uint32_t call, const Destinations* forward, InterruptCheck interrupted, size_t& done) {
+  constexpr Format F = format_of(D);
+  using R = Reducer<D, Op>;
+  const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const size_t n = std::min(kBlockChunks, chunks - c0);
+    for (int s = 0; s < a.world; ++s)
+      if (s != a.rank)
+        if (const uint64_t fault = wait_chunks<F>(a, areas[s], s, at + c0, n, call, interrupted)) return fault;
+    typename R::Acc acc[kBlockChunks];
+    Words staged[kBlockChunks];  // our input, then the output
+    load_block(in, bytes, c0, n, staged);
+    for (int s = 0; s < a.world; ++s) {
+      for (size_t i = 0; i < n; ++i) {
+        const Words w = s == a.rank ? sanitize<D>(staged[i]) : peer_chunk<F>(areas[s], at + c0 + i);
+        acc[i] = s == 0 ? R::from(w) : R::combine(acc[i], w);
+      }
+    }
+    // Results are sanitized as inputs are (layout.h): two-shot sends them, and one-shot returns the same bits.
+    for (size_t i = 0; i < n; ++i) staged[i] = sanitize<D>(R::finish(acc[i], a.world));
+    store_block(out, bytes, c0, n, staged);
+    if (forward != nullptr)
+      for (int p = 0; p < forward->count; ++p) put_chunks<F>(forward->area[p], at + c0, n, staged, call);
+    done = std::min(bytes, (c0 + n) * kChunkBytes);
+  }
+  return 0;
+}
+
+// Copies `bytes` bytes that `source` sent as chunks [at, ...) of `from` into `out`, block by block as they arrive.
+template <Format F>
+uint64_t gather(const AllReduceArgs& a, const uint32_t* from, int source, size_t at, void* out, size_t bytes,
+                uint32_t call, InterruptCheck interrupted) {
+  const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  Words staged[kBlockChunks];
+  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    const size_t n = std::min(kBlockChunks, chunks - c0);
+    if (const uint64_t fault = wait_chunks<F>(a, from, source, at + c0, n, call, interrupted)) return fault;
+    for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(from, at + c0 + i);
+    store_block(out, bytes, c0, n, staged);
+  }
+  return 0;
+}
+
+// The pull (step 3). `done`: bytes of a one-shot call's output written (the rest is poisoned on a fault).
+template <DType D, ReduceOp Op>
+uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted, size_t& done) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   done = 0;
@@ -374,27 +449,47 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, size_t chunks, InterruptCh
   const uint32_t* areas[kMaxRanks] = {};
   for (int s = 0; s < a.world; ++s)
     if (s != a.rank) areas[s] = area(a.local, a.layout, buffer, a.rank, s);
-  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
-    const size_t c1 = std::min(chunks, c0 + kBlockChunks);
-    for (int s = 0; s < a.world; ++s) {
-      if (s == a.rank) continue;
-      size_t next = c0;
-      if (const uint64_t fault =
-              wait_for(a, s, interrupted, [&] { return (next = arrived_until<D>(areas[s], next, c1, call)) == c1; }))
-        return fault;
-    }
-    reduce_block<D, Op>(a, areas, c0, c1 - c0);
-    done = c1;
+  if (!sharded(a)) return reduce<D, Op>(a, areas, 0, a.in, a.out, a.bytes, call, nullptr, interrupted, done);
+
+  const Shards& sh = a.shards;
+  const int r = a.rank;
+  char* const out = static_cast<char*>(a.out);
+  if (a.collective == Collective::kAllGather) {
+    std::memmove(out + r * a.stride_bytes, a.in, sh.shard_bytes);  // every bit as given (in place: the same bytes)
+  } else {  // our shard, reduced: a reduce-scatter's output, or sent on to every peer (two-shot)
+    const bool two_shot = a.collective == Collective::kAllReduce;
+    const Destinations forward(a, buffer, two_shot ? a.stores : 0);
+    size_t reduced = 0;
+    const char* in = static_cast<const char*>(a.in) + r * a.stride_bytes;
+    if (const uint64_t fault = reduce<D, Op>(a, areas, r * sh.slot_chunks, in, two_shot ? out + r * a.stride_bytes : out,
+                                             sh.bytes_of(r), call, two_shot ? &forward : nullptr, interrupted, reduced))
+      return fault;
+    if (!two_shot) return 0;
+  }
+  for (int s = 0; s < a.world; ++s) {
+    if (s == r) continue;
+    char* const to = out + s * a.stride_bytes;
+    const uint64_t fault =
+        a.collective == Collective::kAllGather
+            ? gather<Format::kLines>(a, areas[s], s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted)
+            : gather<format_of(D)>(a, areas[s], s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted);
+    if (fault != 0) return fault;
   }
   return 0;
 }
 
+// Sets the `bytes` bytes at `p` to the dtype's poison (poison_word()).
+void poison(void* p, size_t bytes, DType dtype) {
+  const uint32_t word = poison_word(dtype);
+  for (size_t b = 0; b < bytes; b += sizeof(word))
+    std::memcpy(static_cast<char*>(p) + b, &word, std::min(sizeof(word), bytes - b));
+}
+
 }  // namespace
 
-uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_span, InterruptCheck interrupted) {
+uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
-  const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
   note(a.timeline, epoch, kKernelStart);
 
   // The previous call's reset (step 2) must land before what a peer sends after seeing our data of this call:
@@ -402,10 +497,10 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
   std::atomic_thread_fence(std::memory_order_release);
   for (int p = 0; p < a.world; ++p)
     if (a.stores & (1u << p)) store_word(call_word(a.peer[p], buffer, a.rank), call);
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call, chunks); });
+  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call); });
   // Network peers: the proxy delivers what the image now holds (layout.h, Mailbox).
   if (a.mailbox != nullptr) {
-    __atomic_store_n(&a.mailbox->ring[buffer], ring_word(span_bytes(a.bytes, a.dtype), epoch), __ATOMIC_RELEASE);
+    __atomic_store_n(&a.mailbox->ring[buffer], ring_word(call_span_bytes(a), epoch), __ATOMIC_RELEASE);
     note(a.timeline, epoch, kKernelRing);
   }
 
@@ -414,16 +509,23 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, size_t reset_spa
     if (s == a.rank) continue;
     store_word(call_word(a.local, previous, s), kEmpty);
     uint32_t* stale = area(a.local, a.layout, previous, a.rank, s);
-    for (size_t i = 0; i < reset_span / kChunkBytes; ++i) put_chunk(stale + i * 4, kEmptyChunk);
+    size_t begin[2], end[2];
+    for (int i = 0, n = footprint_ranges(reset, a.rank, s, begin, end); i < n; ++i)
+      for (size_t b = begin[i]; b < end[i]; b += kChunkBytes) put_chunk(stale + b / sizeof(uint32_t), kEmptyChunk);
   }
 
   uint64_t fault = 0;
   size_t done = 0;
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, chunks, interrupted, done); });
-  if (fault != 0) {
-    const uint32_t poison = poison_word(a.dtype);
-    for (size_t b = done * kChunkBytes; b < a.bytes; b += sizeof(poison))
-      std::memcpy(static_cast<char*>(a.out) + b, &poison, std::min(sizeof(poison), a.bytes - b));
+  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, interrupted, done); });
+  if (fault != 0) {  // every output byte not computed: a one-shot call's rest, a sharded call's whole output
+    if (!sharded(a)) {
+      poison(static_cast<char*>(a.out) + done, a.bytes - done, a.dtype);
+    } else if (a.collective == Collective::kReduceScatter) {
+      poison(a.out, a.shards.shard_bytes, a.dtype);
+    } else {
+      for (int s = 0; s < a.world; ++s)
+        poison(static_cast<char*>(a.out) + s * a.stride_bytes, a.shards.bytes_of(s), a.dtype);
+    }
   }
   note(a.timeline, epoch, kKernelEnd);
   return fault;

@@ -1,4 +1,4 @@
-// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v2).
+// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v3).
 // One protocol for every transport: shared memory (host path), CUDA IPC (the kernel) and RDMA (a NIC writing
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
@@ -16,13 +16,15 @@
 // (the region starts so, abort words at 0, flags at kNoEpoch). A rank waits for a 32-bit word until it is not
 // kEmpty.
 //
-// Formats (format_of(dtype)):
+// Formats (format_of(collective, dtype)):
 //   kLamport (float32, float16, bfloat16): the payload itself, at its own byte offsets (16-byte units, the last
 //     one zero-padded). kEmpty is -0.0 in float32, and -0.0 in the high half of a pair of 16-bit elements, so a
 //     sender turns every -0.0 element into +0.0 (sanitize_word()); then no word it sends is kEmpty and a word
 //     that is not kEmpty has arrived. A rank reduces its own input sanitized the same way, or ranks would
-//     disagree on the sign of a zero (max/min) — so rocenante never returns -0.0 where the exact result is -0.0
-//     (sums of -0.0, max/min of zeros), a documented loss. NaN payloads are never kEmpty and pass unchanged.
+//     disagree on the sign of a zero (max/min), and sanitizes each result as well (a rounding can make -0.0: a
+//     tiny negative average, a float16 rounding of a tiny sum), since two-shot sends a reduced shard in this
+//     format and one-shot must return the same bits — so rocenante's reductions never return -0.0, a
+//     documented loss. NaN payloads are never kEmpty and pass unchanged.
 //     We rely on each aligned 32-bit word being written whole (true of NVLink and PCIe stores and CPU stores of
 //     aligned words), never on the order in which words land. RDMA gives no such promise (SoftRoCE under an
 //     emulated CPU placed a word half written), so over RDMA a rank reads a peer's words only after that
@@ -34,17 +36,18 @@
 //     at most capacity_bytes / 2 per piece.
 // Calls larger than a piece (piece_bytes()) are split by the communicator; each piece is one call here.
 //
-// Call word of a call = make_flag(signature, epoch): the signature says count, dtype and op, the epoch counts
-// calls (pieces) identically on every rank. A sender writes it into call[b][sender] of every peer's region.
+// Call word of a call = make_flag(signature, epoch): the signature says count, dtype, op, collective and
+// algorithm, the epoch counts calls (pieces) identically on every rank. A sender writes it into call[b][sender]
+// of every peer's region.
 // No output element is written before its thread has read, for every peer, a call word equal to its own:
 //   - equal: the peer makes this very call, so whatever is not kEmpty in its area is this call's data;
 //   - kEmpty: not arrived yet; any other value: the peer made a different call (the signature says which),
 //     which is reported, never reduced — even when both calls have the same byte count.
 //
 // Buffers rotate: call e uses buffer e % 3 (buffer_of()). During call e every rank resets (writes kEmpty over)
-// buffer (e - 1) % 3 of its own region — the call words and the span the previous call used (span_bytes()) of
-// every area — off the critical path, while it waits for call e's data. Why nothing stale is ever taken for
-// current data:
+// buffer (e - 1) % 3 of its own region — the call words and the span the previous call used of every area
+// (span_bytes(), or the slots of a sharded call: Shards) — off the critical path, while it waits for call e's
+// data. Why nothing stale is ever taken for current data:
 //   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
 //     rank r resets during call e, only after it has received r's data for call e + 1, which r sends after
 //     it finished call e (on the GPU: the next kernel starts after the previous one completed, and a region in
@@ -140,6 +143,32 @@ ROCENANTE_HD size_t piece_bytes(size_t capacity_bytes, DType t) {
   return format_of(t) == Format::kLamport ? capacity_bytes : capacity_bytes / kLinesPerChunk;
 }
 
+// What a call wrote into each area of its buffer, as one word that the next call of that buffer reads to reset
+// it: a one-shot call's span_bytes() (below 2^30), or a sharded call's slot_chunks with bit 31 set, and bit 30
+// for the line format (Shards). footprint_ranges() gives the byte ranges of area (b, source) of receiver's
+// region to reset, at most two (they may overlap: resetting a word twice is harmless).
+constexpr uint32_t kShardedFootprint = 0x80000000u, kLinesFootprint = 0x40000000u;
+ROCENANTE_HD uint32_t sharded_footprint(size_t slot_chunks, Format f) {
+  return kShardedFootprint | (f == Format::kLines ? kLinesFootprint : 0u) | uint32_t(slot_chunks);
+}
+ROCENANTE_HD int footprint_ranges(uint32_t footprint, int receiver, int source, size_t (&begin)[2], size_t (&end)[2]) {
+  if (!(footprint & kShardedFootprint)) {
+    begin[0] = 0, end[0] = footprint;
+    return 1;
+  }
+  const size_t slot = footprint & (kLinesFootprint - 1);
+  const int slots[2] = {receiver, source};
+  for (int i = 0; i < 2; ++i) {
+    size_t c0 = size_t(slots[i]) * slot, c1 = c0 + slot;
+    if (footprint & kLinesFootprint) {  // whole groups of lines
+      c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+      c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+    }
+    begin[i] = c0 * kChunkBytes, end[i] = c1 * kChunkBytes;
+  }
+  return 2;
+}
+
 // Buffer rotation (see above). The epoch wraps at a multiple of 3, so that buffer_of() keeps rotating across
 // the wrap; call words need not be unique over time, since every one is reset after use.
 // Every epoch number is legal, 0 included (a communicator's first call is 1, and after the wrap 0 follows
@@ -163,24 +192,97 @@ ROCENANTE_HD int previous_buffer(uint32_t epoch) { return int((epoch + kBuffers 
 constexpr int kMaxRanks = 8;
 // Capacity bounds: a multiple of kCapacityGranule, and small enough that a piece's element count fits the
 // signature.
-constexpr size_t kMaxCapacityBytes = size_t(128) << 20;
+constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 
-// Signature of a call: the element count minus one (< 2^26, since capacity <= 128 MiB and elements are >= 2
-// bytes), dtype, op, and whether the call fuses the residual add and RMSNorm (bit 31), packed injectively into
-// bits 1..31. Bit 0 stays clear for make_flag.
-// The fused bit is there so that ranks that disagree on the pattern are told: a fused call exchanges exactly
-// the data of a plain call of the same count, dtype and op, but its rounding of the norm can differ in the
-// last bit from the caller's own ops, and every rank must produce the same bits. What the fused epilogue takes
-// besides (row length, eps, gamma, the residual) shapes only what each rank computes from the reduced rows, as
-// a caller's ops after a plain all-reduce would; like the data itself, keeping it alike is the caller's part.
-ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op, bool fused = false) {
-  return (uint32_t(fused) << 31) | (uint32_t(count - 1) << 5) | (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
+// The collectives, and how an all-reduce moves its data (protocol v3):
+//   all-reduce, one-shot: every rank pushes its whole input into its area of every peer's region; each rank
+//     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (AllReduceArgs).
+//   all-reduce, two-shot: the tensor is cut into `world` shards (Shards, below); every rank pushes shard p of its
+//     input into peer p's region, reduces its own shard from every rank's, and pushes the reduced shard into every
+//     peer's region; each rank then holds every reduced shard. Each element is reduced by one rank, in rank order
+//     with the same arithmetic as one-shot, so the bits equal one-shot's and every rank's.
+//   reduce-scatter: the first exchange of two-shot, each rank's output its own reduced shard.
+//   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
+enum class Collective : uint32_t { kAllReduce = 0, kFusedAllReduce = 1, kAllGather = 2, kReduceScatter = 3 };
+enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
+
+// Signature of a call: the element count minus one (< 2^24, since capacity <= 32 MiB and elements are >= 2
+// bytes; the count of the whole tensor: an all-gather's output, a reduce-scatter's input), dtype, op, collective
+// and algorithm, packed injectively into bits 1..31. Bit 0 stays clear for make_flag. A rank whose call differs
+// from its peer's in any of these is told which call the peer made, never reduces or copies its data:
+//   - the collective and algorithm decide where each rank's data lies in the areas (Shards) and what it is (an
+//     input, a reduced shard), so calls that differ there exchange words that mean different things even when
+//     their byte counts agree;
+//   - the fused all-reduce exchanges exactly the data of a plain one of the same count, dtype and op, but its
+//     rounding of the norm can differ in the last bit from the caller's own ops, and every rank must produce the
+//     same bits. What the fused epilogue takes besides (row length, eps, gamma, the residual) shapes only what
+//     each rank computes from the reduced rows, as a caller's ops after a plain all-reduce would; like the data
+//     itself, keeping it alike is the caller's part.
+// An all-gather moves bits, not values: its op field is sum, whatever the caller's.
+ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
+                                     Algorithm algorithm = Algorithm::kOneShot) {
+  return (uint32_t(algorithm) << 31) | (uint32_t(collective) << 29) | (uint32_t(count - 1) << 5) |
+         (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
 }
-ROCENANTE_HD size_t signature_count(uint32_t sig) { return ((sig >> 5) & 0x3FFFFFFu) + 1; }
+ROCENANTE_HD size_t signature_count(uint32_t sig) { return ((sig >> 5) & 0xFFFFFFu) + 1; }
 ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
 ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
-ROCENANTE_HD bool signature_fused(uint32_t sig) { return (sig >> 31) != 0; }
-static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 26), "count - 1 of the largest piece fits in 26 bits");
+ROCENANTE_HD Collective signature_collective(uint32_t sig) { return Collective((sig >> 29) & 3); }
+ROCENANTE_HD Algorithm signature_algorithm(uint32_t sig) { return Algorithm(sig >> 31); }
+static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the largest piece fits in 24 bits");
+
+// Format of a call's data in the areas: an all-gather returns every bit it was given (-0.0 and NaN payloads
+// included), which the Lamport format cannot carry (its empty word is a float's -0.0), so it always travels
+// as lines; the reductions as format_of(dtype).
+constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
+  return c == Collective::kAllGather ? Format::kLines : format_of(t);
+}
+
+// Where the calls that cut the tensor into shards (two-shot, reduce-scatter, all-gather) put each rank's data.
+// The tensor (an all-gather's output, a reduce-scatter's or two-shot's input) is `world` shards of shard_bytes
+// each (two-shot: a whole number of chunks, the last shards shorter or empty; reduce-scatter and all-gather:
+// count / world elements each). In an area, shard s takes slot s: chunks [s * slot_chunks, (s + 1) *
+// slot_chunks), its chunk j holding the shard's bytes [16 j, 16 j + 16) (the last one zero-padded). What lands
+// in area (b, s) of rank r's region, all of it written by s:
+//   - slot r: shard r of s's input (two-shot's first exchange, reduce-scatter), which r reduces;
+//   - slot s: s's reduced shard (two-shot's second exchange) or s's input (all-gather), which r copies out.
+// The two never overlap (r != s), so one call word and one buffer serve both exchanges of a two-shot call: what
+// is not kEmpty in either slot is this call's (layout.h's argument, above, holds word for word). Over a network
+// wire a whole span of the image is delivered, slots other ranks never read included; a reducer reads only
+// the slots above, and only after the delivery's signal, so what else lands there is never taken for data.
+// A reset (during the next call of the buffer's) writes kEmpty over slots r and s of each area (b, s): whatever
+// the call was, every slot written was one of those.
+struct Shards {
+  size_t shard_bytes;   // bytes of the tensor per shard
+  size_t slot_chunks;   // chunks of a slot: ceil(shard_bytes / 16)
+  size_t total_bytes;   // bytes of the whole tensor
+  ROCENANTE_HD size_t bytes_of(int s) const {  // bytes of shard s (two-shot: the last ones shorter or empty)
+    const size_t begin = size_t(s) * shard_bytes;
+    return begin >= total_bytes ? 0 : (total_bytes - begin < shard_bytes ? total_bytes - begin : shard_bytes);
+  }
+  ROCENANTE_HD size_t chunks_of(int s) const { return (bytes_of(s) + kChunkBytes - 1) / kChunkBytes; }
+};
+// Two-shot cuts `bytes` into whole chunks, `world` shards as even as chunks allow.
+ROCENANTE_HD Shards two_shot_shards(size_t bytes, int world) {
+  const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+  const size_t slot = (chunks + size_t(world) - 1) / size_t(world);
+  return {slot * kChunkBytes, slot, bytes};
+}
+// Reduce-scatter and all-gather: `world` shards of `shard_bytes` each.
+ROCENANTE_HD Shards even_shards(size_t shard_bytes, int world) {
+  return {shard_bytes, (shard_bytes + kChunkBytes - 1) / kChunkBytes, shard_bytes * size_t(world)};
+}
+// Bytes of an area a sharded call may write (span_bytes() of its slots).
+ROCENANTE_HD size_t slots_span_bytes(const Shards& s, int world, Format f) {
+  const size_t bytes = size_t(world) * s.slot_chunks * kChunkBytes;
+  if (f == Format::kLamport) return bytes;
+  const size_t group = kChunkBytes * kChunksPerGroup;
+  return (bytes + group - 1) / group * group * kLinesPerChunk;
+}
+// Largest slot (in chunks) of a sharded call in an area of `capacity_bytes`.
+ROCENANTE_HD size_t max_slot_chunks(size_t capacity_bytes, int world, Format f) {
+  return capacity_bytes / (kChunkBytes * size_t(world) * (f == Format::kLamport ? 1 : kLinesPerChunk));
+}
 
 // Never kEmpty (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which
 // call the peer made: signature = (flag ^ (epoch << 1)) & ~1.

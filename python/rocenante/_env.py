@@ -83,6 +83,34 @@ def threshold_bytes(device_type: str, world: int) -> int:
     return _from_env("ROCENANTE_THRESHOLD_BYTES", int, default)
 
 
+# Where two-shot all-reduce takes over from one-shot (bytes), for ROCENANTE_ALGO=auto. CPU, shared memory, float32,
+# on a 2-core VM (benchmarks/results/cpu-collectives-{2,3,4}r.json): two-shot ahead from 256 KiB at worlds 2, 3
+# and 4 (at 64 KiB ahead at worlds 2 and 3 within the spread, behind at 4); worlds 5-8 NOT MEASURED, taken alike.
+# GPU and network paths: two-shot is not built there yet, so auto stays one-shot.
+TWOSHOT_FROM_CPU = 256 << 10
+
+
+def algo() -> str:
+    """ROCENANTE_ALGO: "auto" (default), "oneshot" or "twoshot": how every all-reduce moves its data. Every rank
+    must set it alike (the communicator's startup compares it and names the rank that differs)."""
+    raw = os.environ.get("ROCENANTE_ALGO", "").strip().lower() or "auto"
+    if raw not in ("auto", "oneshot", "twoshot"):
+        raise ValueError(f"ROCENANTE_ALGO={raw!r}: use auto, oneshot or twoshot")
+    return raw
+
+
+def twoshot_from(device_type: str, world: int, net: str) -> int:
+    """The size (bytes) from which all-reduces go two-shot (ROCENANTE_ALGO; _C.layout.never: none)."""
+    choice = algo()
+    if choice == "oneshot" or world == 1:
+        return _C.layout.never
+    if choice == "twoshot":
+        return 0
+    if device_type != "cpu" or net != "shm":
+        return _C.layout.never
+    return TWOSHOT_FROM_CPU
+
+
 def on_fault() -> str:
     """ROCENANTE_ON_FAULT: what a rank does once a communicator faults. "raise" (default): the fault is logged
     once and every later call, synchronize(), Work.wait() and collective of the group raises it (outputs the

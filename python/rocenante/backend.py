@@ -2,9 +2,10 @@
 
     dist.init_process_group(backend="rocenante")
 
-The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the threshold)
-through a rocenante Communicator and delegates everything else to a gloo group (CPU tensors) or an NCCL group
-(CUDA tensors) built on the same store. Collectives it does not override reach those groups directly, as the
+The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the threshold),
+and where the communicator serves them (CPU tensors today) all_gather_into_tensor, reduce_scatter_tensor and
+all_gather of equal-size tensors, through a rocenante Communicator and delegates everything else to a gloo group
+(CPU tensors) or an NCCL group (CUDA tensors) built on the same store. Collectives it does not override reach those groups directly, as the
 backends registered for their device. Eligibility depends only on what every rank shares (dtype, size, op,
 configuration), so ranks never take different paths.
 
@@ -153,21 +154,86 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         }
         if started.comm is not None:
             self._comms[device_type] = started.comm
+            self._status[device_type].update(collectives=list(started.comm.collectives),
+                                             two_shot_from_bytes=started.comm.two_shot_from_bytes)
+            if rank == 0:
+                logger.info("rocenante: %s: %s up to %d bytes; all-reduce two-shot %s", device_type,
+                            ", ".join(started.comm.collectives), started.threshold_bytes,
+                            "never" if started.comm.two_shot_from_bytes is None
+                            else f"from {started.comm.two_shot_from_bytes} bytes")
         elif rank == 0:
             logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, started.why)
 
     # ---- collectives ----
 
-    def _eligible(self, t: torch.Tensor, op) -> Communicator | None:
-        """The communicator that serves this all-reduce, or None: rocenante.serves() up to the agreed threshold.
-        Only rank-shared facts decide; a path not started yet starts here, at the same call on every rank."""
+    def _eligible(self, t: torch.Tensor, op, collective: str = "all_reduce", nbytes: int | None = None):
+        """The communicator that serves `collective` of `t`, or None: one that serves the collective, and
+        rocenante.serves() with `nbytes` (default: t's; an all-gather's output, a reduce-scatter's input) up to the
+        agreed threshold. Only rank-shared facts decide; a path not started yet starts here, at the same call on
+        every rank."""
         device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
         if device_type in self._unstarted:
             self._start(device_type)
         comm = self._comms.get(device_type)
-        if comm is not None and serves(t, op, self._status[device_type]["threshold_bytes"]):
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+        if comm is not None and collective in comm.collectives and serves(t, op) \
+                and nbytes <= self._status[device_type]["threshold_bytes"]:
             return comm
         return None
+
+    def _gather_or_scatter(self, collective, output, input, op, delegate):
+        """all_gather_into_tensor and reduce_scatter_tensor: through rocenante where it serves them (the tensors'
+        numels and dtypes match, which every rank's call shares), else `delegate()`. Non-contiguous tensors go
+        through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
+        big = output if collective == "all_gather" else input
+        small = input if collective == "all_gather" else output
+        comm = None
+        if output.dtype == input.dtype and small.numel() * self.size() == big.numel() \
+                and output.device == input.device:
+            comm = self._eligible(input, op, collective, big.numel() * big.element_size())
+        if comm is None:
+            return delegate()
+        flat_in = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
+        flat_out = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
+                                                                              device=output.device)
+        stream = comm.current_stream()
+        call = comm.issue(flat_in, op, stream, out=flat_out, collective=collective)
+        if not output.is_contiguous():
+            _copy_back(output, flat_out.view(output.shape))
+        return _Work([output], comm, stream, call) if output.is_cuda else _Work([output])
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._gather_or_scatter("all_gather", output, input, "sum",
+                                       lambda: self._delegate(input)._allgather_base(output, input, *_given(opts)))
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._gather_or_scatter("all_gather", output, input, "sum",
+                                       lambda: self._delegate(input)._allgather_base(output, input, *_given(opts)))
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _core_op(opts.reduceOp.op) if opts is not None else _core_op("sum")
+        return self._gather_or_scatter("reduce_scatter", output, input, op,
+                                       lambda: self._delegate(input)._reduce_scatter_base(output, input, *_given(opts)))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """all_gather into a list: equal-size tensors of one input go through one all-gather into a flat tensor,
+        then into the list; anything else (several inputs, sizes or dtypes that differ) to the delegate."""
+        t = input_tensors[0] if len(input_tensors) == 1 else None
+        outs = output_tensors[0] if len(output_tensors) == 1 else []
+        if t is None or len(outs) != self.size() or any(o.dtype != t.dtype or o.numel() != t.numel() for o in outs):
+            return self._delegate(input_tensors[0]).allgather(output_tensors, input_tensors, *_given(opts))
+        flat = torch.empty(self.size() * t.numel(), dtype=t.dtype, device=t.device)
+        work = self._gather_or_scatter("all_gather", flat, t, "sum", lambda: None)
+        if work is None:
+            return self._delegate(t).allgather(output_tensors, input_tensors, *_given(opts))
+        with torch.no_grad():  # on the current stream: after the all-gather's kernel
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * t.numel():(r + 1) * t.numel()].view(o.shape))
+        work._tensors = output_tensors
+        return work
 
     def allreduce(self, tensors, opts=None):
         opts = AllreduceOptions() if opts is None else opts
@@ -249,23 +315,24 @@ def _copy_back(t: torch.Tensor, dense: torch.Tensor) -> None:
         t.copy_(dense)
 
 
+def _given(opts) -> list:
+    """The options argument to pass on: none when the caller gave none (the delegate's default)."""
+    return [] if opts is None else [opts]
+
+
 # Every collective rocenante does not serve, under the names of every torch version it supports: the group's
 # fault first (_delegate), then the delegate of the device of the tensor at `where` among the arguments
 # (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
-# and for the backend (second) differently. barrier() is the one other override (above).
+# and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, and the
+# all-gathers and reduce-scatters of single tensors (also under both names), which rocenante serves where it can.
 _DELEGATED = {  # process group's name: (backend's name, where)
     "allreduce_coalesced": ("allreduce_coalesced", (0, 0)),
-    "allgather": ("allgather", (1, 0)),
     "allgather_coalesced": ("allgather_coalesced", (1, 0)),
-    "_allgather_base": ("_allgather_base", (1, None)),
-    "all_gather_single": ("_allgather_base", (1, None)),
     "broadcast": ("broadcast", (0, 0)),
     "reduce": ("reduce", (0, 0)),
     "gather": ("gather", (1, 0)),
     "scatter": ("scatter", (0, 0)),
     "reduce_scatter": ("reduce_scatter", (0, 0)),
-    "_reduce_scatter_base": ("_reduce_scatter_base", (1, None)),
-    "reduce_scatter_single": ("_reduce_scatter_base", (1, None)),
     "alltoall": ("alltoall", (1, 0)),
     "alltoall_base": ("alltoall_base", (1, None)),
     "all_to_all_single": ("alltoall_base", (1, None)),
@@ -320,7 +387,9 @@ def register() -> None:
 
 
 def status(group=None) -> dict:
-    """Per device type: whether rocenante serves all-reduces in `group` (default: the world), and why."""
+    """Per device type: whether rocenante serves `group` (default: the world) and why, and when it does which
+    collectives (`collectives`), up to what size (`threshold_bytes`), and from what size all-reduces go two-shot
+    (`two_shot_from_bytes`, None: never)."""
     pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, RocenanteProcessGroup):
         raise ValueError(f"group uses backend {dist.get_backend(pg)!r}, not 'rocenante'")

@@ -189,9 +189,10 @@ class Communicator:
                 qos = _env.ib_qos()
                 paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
             signal = getattr(_C.Signal, _env.ib_signal())
+            twoshot_from = _env.twoshot_from(self.device.type, world_size, self.net)
             self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault,
                                       getattr(_C.Net, self.net), paths, _env.test_first_call(), _env.proxy_spin_s(),
-                                      signal)
+                                      signal, twoshot_from)
             self._rendezvous(store, prefix)
         except BaseException as err:
             # Tell the peers now, so that they fail at once instead of at their timeout.
@@ -277,19 +278,73 @@ class Communicator:
         self._launch(x, out, op, self.current_stream())
         return out
 
-    def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None) -> int:
-        """:meth:`all_reduce` of ``x`` into ``x`` itself on ``stream`` (a raw CUDA stream handle; by default
-        the current stream), checked alike; returns the call's number, for callers that follow their calls one
-        by one (:meth:`faulted_by`, as the backend's Work does)."""
-        self._check(x, x)
-        return self._launch(x, x, op, self.current_stream() if stream is None else stream)
+    def all_gather(self, x, out=None):
+        """Gathers ``x`` of every rank, concatenated along dim 0 in rank order, into ``out`` (a new tensor of
+        shape ``(world_size * x.shape[0], *x.shape[1:])`` if None) and returns it. Every bit of every input is
+        returned as given (-0.0 and NaN payloads included). ``x`` may be this rank's part of ``out``
+        (``out[rank * n:(rank + 1) * n]``, in place). Dtypes, devices, pieces and faults as :meth:`all_reduce`."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError(f"all_gather takes a torch.Tensor of at least one dimension, got {_describe(x)}")
+        shape = (self.world_size * x.shape[0], *x.shape[1:])
+        out = self._check(x, out, shape, "all_gather")
+        self._launch(x, out, "sum", self.current_stream(), "all_gather")
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None):
+        """Reduces ``x`` over all ranks and returns this rank's part of the result along dim 0: rows
+        ``[rank * n, (rank + 1) * n)`` with ``n = x.shape[0] // world_size`` (``x.shape[0]`` must be a multiple of
+        ``world_size``), into ``out`` (a new tensor if None; may be that part of ``x``). Ops, dtypes, rounding
+        (rank order, fp32 accumulation: the bits of :meth:`all_reduce`'s result), pieces and faults as
+        :meth:`all_reduce`."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError(f"reduce_scatter takes a torch.Tensor of at least one dimension, got {_describe(x)}")
+        if x.shape[0] % self.world_size != 0:
+            raise ValueError(f"reduce_scatter of {_describe(x)}: dim 0 must be a multiple of the world size "
+                             f"{self.world_size}")
+        shape = (x.shape[0] // self.world_size, *x.shape[1:])
+        out = self._check(x, out, shape, "reduce_scatter")
+        self._launch(x, out, op, self.current_stream(), "reduce_scatter")
+        return out
+
+    @property
+    def two_shot_from_bytes(self) -> Optional[int]:
+        """The size from which :meth:`all_reduce` goes two-shot (None: never), as every rank agreed at startup."""
+        return None if self._c.twoshot_from == _C.layout.never else self._c.twoshot_from
+
+    def two_shot(self, nbytes: int) -> bool:
+        """Whether :meth:`all_reduce` moves a call of ``nbytes`` bytes two-shot (agreed at startup:
+        ``ROCENANTE_ALGO``)."""
+        return self._c.two_shot(nbytes)
+
+    @property
+    def collectives(self) -> tuple:
+        """The collectives this communicator serves: all_reduce, and on the CPU all_gather and reduce_scatter
+        (not built for GPU tensors yet)."""
+        return ("all_reduce",) if self.device.type == "cuda" else ("all_reduce", "all_gather", "reduce_scatter")
+
+    def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None, out: Optional[torch.Tensor] = None,
+              collective: str = "all_reduce") -> int:
+        """``collective`` on ``stream`` (a raw CUDA stream handle; by default the current stream), checked alike:
+        :meth:`all_reduce` of ``x`` into ``x`` itself, or :meth:`all_gather` or :meth:`reduce_scatter` of a 1-D
+        ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow their calls one by one
+        (:meth:`faulted_by`, as the backend's Work does)."""
+        out = x if out is None else out
+        shape = {"all_reduce": tuple(x.shape), "all_gather": (self.world_size * x.numel(),),
+                 "reduce_scatter": (x.numel() // self.world_size,)}[collective]
+        self._check(x, out, shape, collective)
+        return self._launch(x, out, op, self.current_stream() if stream is None else stream, collective)
 
     def current_stream(self) -> int:
         """The raw handle of the stream calls are enqueued on: the current CUDA stream (0 on the CPU)."""
         return 0 if self._cuda_index is None else _current_raw_stream(self._cuda_index)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int) -> int:
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str = "all_reduce") -> int:
         """The call into the core, for checked arguments. Returns the call's number."""
+        if collective == "all_gather":
+            return self._c.all_gather(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], stream)
+        if collective == "reduce_scatter":
+            return self._c.reduce_scatter(x.data_ptr(), out.data_ptr(), out.numel(), _DTYPES[x.dtype],
+                                          _lookup_op(op), stream)
         return self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
 
     def _all_reduce_cuda_array(self, x, op, out):
@@ -303,26 +358,27 @@ class Communicator:
         self._launch(tx, tout, op, cupy.cuda.get_current_stream().ptr)
         return out
 
-    def _check(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-        """Argument checks. What every rank's call shares (type, dtype) leaves the communicator usable; what
-        only this rank can see goes through refuse."""
+    def _check(self, x: torch.Tensor, out: Optional[torch.Tensor], shape=None, what="all_reduce") -> torch.Tensor:
+        """Argument checks; returns ``out``, allocated if None with ``shape`` (default: ``x``'s). What every rank's
+        call shares (type, dtype) leaves the communicator usable; what only this rank can see goes through
+        refuse."""
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"all_reduce takes a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{what} takes a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"unsupported dtype {x.dtype}; rocenante supports float32, float16, bfloat16 and int32")
         if x.device != self.device:
             self.refuse(f"a tensor on {x.device}, this communicator is on {self.device}")
         if not x.is_contiguous():
             self.refuse("a non-contiguous tensor (call .contiguous() first)")
+        shape = tuple(x.shape) if shape is None else tuple(shape)
         if out is None:
-            return torch.empty_like(x, memory_format=torch.contiguous_format)
-        if out is x:  # in place (issue(), the backend's calls): x was checked just above
+            return torch.empty(shape, dtype=x.dtype, device=x.device)
+        if out is x and shape == tuple(x.shape):  # in place (issue(), the backend's calls): x was checked above
             return out
-        if out.dtype != x.dtype or out.shape != x.shape or out.device != x.device:
-            self.refuse(
-                f"an out that does not match the input: out must match the input, got {out.dtype} "
-                f"{tuple(out.shape)} on {out.device}, input {x.dtype} {tuple(x.shape)} on {x.device}"
-            )
+        if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != shape \
+                or out.device != x.device:
+            self.refuse(f"{what}: an out that does not match the input: out must match the input ({x.dtype} {shape} "
+                        f"on {x.device}), got {_describe(out)}")
         if not out.is_contiguous():
             self.refuse("a non-contiguous out (out must be contiguous)")
         return out

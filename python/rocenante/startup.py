@@ -57,7 +57,7 @@ def local_check(device, size: int, capacity_at_most: Optional[int] = None,
         group_s = None if group_timeout is None else group_timeout.total_seconds()
         entry.update(capacity_bytes=capacity, timeout_s=_env.timeout_s(group=group_s),
                      threshold_bytes=_env.threshold_bytes(device.type, size), net=_env.net(),
-                     signal=_env.ib_signal())
+                     signal=_env.ib_signal(), algo=_env.algo())
         if device.type == "cpu":
             entry["device"] = "cpu"
         elif device.type == "cuda":
@@ -93,7 +93,7 @@ def disagreement(checks: list) -> Optional[str]:
             return (f"ranks {ranks} share a GPU: their kernels would take turns on it, milliseconds a call, or wait "
                     "for each other forever within one process (call torch.cuda.set_device(local_rank) before "
                     "init_process_group)")
-    for field in ("capacity_bytes", "threshold_bytes", "timeout_s", "net", "signal", "strict"):
+    for field in ("capacity_bytes", "threshold_bytes", "timeout_s", "net", "signal", "algo", "strict"):
         values = [c[field] for c in checks]
         if len(set(values)) > 1:
             return f"ranks disagree on {field}: {values}"

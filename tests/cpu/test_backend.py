@@ -92,19 +92,34 @@ def _every_collective(store, rank, world):
     work.wait()
     assert torch.equal(work.get_future().wait()[0], torch.full((8,), float(world)))
 
-    # Every other collective, delegated.
-    t = torch.full((4,), float(rank))
-    dist.broadcast(t, src=world - 1)
-    assert torch.equal(t, torch.full((4,), float(world - 1)))
+    # All-gathers and reduce-scatters of single tensors: rocenante's (protocol v3), strided ones through copies.
+    before = len(calls)
     gathered = [torch.empty(2) for _ in range(world)]
     dist.all_gather(gathered, torch.full((2,), float(rank)))
     assert all(torch.equal(g, torch.full((2,), float(r))) for r, g in enumerate(gathered))
     flat = torch.empty(2 * world)
     dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
     assert torch.equal(flat, torch.arange(world).float().repeat_interleave(2))
+    grid = torch.empty(3, 2 * world)
+    dist.all_gather_into_tensor(grid.t(), torch.full((2, 3), float(rank)))  # a strided output
+    assert torch.equal(grid.t(), torch.arange(world).float().repeat_interleave(2)[:, None].expand(-1, 3))
     out = torch.empty(2)
     dist.reduce_scatter_tensor(out, torch.arange(2.0 * world))
     assert torch.equal(out, torch.arange(2.0 * rank, 2.0 * rank + 2) * world)
+    inputs = [make_input(7, 0, r, 5 * world, torch.bfloat16) for r in range(world)]
+    out = torch.empty(5, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=dist.ReduceOp.MAX)
+    assert torch.equal(out, sequential_fp32(inputs, "max")[5 * rank:5 * rank + 5])
+    assert len(calls) == before + 5, "all-gathers and reduce-scatters must reach the communicator"
+    big = torch.empty(world * (threshold // 4 + 1))
+    dist.all_gather_into_tensor(big, torch.full((threshold // 4 + 1,), float(rank)))  # past the threshold: gloo
+    assert torch.equal(big, torch.arange(world).float().repeat_interleave(threshold // 4 + 1))
+    assert len(calls) == before + 5, "a collective past the threshold must go to gloo"
+
+    # Every other collective, delegated.
+    t = torch.full((4,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    assert torch.equal(t, torch.full((4,), float(world - 1)))
     a2a_out = torch.empty(world)
     dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
     assert torch.equal(a2a_out, torch.arange(world).float() * 10 + rank)
@@ -148,7 +163,7 @@ def _every_collective(store, rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_all_reduce_uses_rocenante_and_every_other_collective_is_delegated(world):
+def test_all_reduce_all_gather_and_reduce_scatter_use_rocenante_and_every_other_collective_is_delegated(world):
     assert expect_ok(run_ranks(world, _every_collective, timeout=300)) == [True] * world
 
 

@@ -21,12 +21,12 @@ from rocenante import _C, _env
 from multiproc import expect_ok, run_ranks
 
 CAPACITY = 4096
-# A handle: the core's Config (magic, world, capacity, on_gpu, first call, network signal, a zero word), its
+# A handle: the core's Config (magic, world, capacity, on_gpu, first call, network signal, two-shot size), its
 # Identity (pid as an int64, the process's start time), then the transport's handle.
 CONFIG = _C.layout.config_bytes
-DEVICE, FIRST_CALL, SIGNAL, ZERO, PID = CONFIG - 16, CONFIG - 12, CONFIG - 8, CONFIG - 4, CONFIG
+DEVICE, FIRST_CALL, SIGNAL, TWOSHOT, PID = CONFIG - 16, CONFIG - 12, CONFIG - 8, CONFIG - 4, CONFIG
 HEADER = _C.layout.handle_header_bytes
-OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC7"
+OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC8"
 _names = itertools.count()
 
 
@@ -45,7 +45,7 @@ def pair():
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
     assert handle[:4] == struct.pack("<I", _C.layout.config_magic)
-    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC7" travels as b"7COR"
+    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC8" travels as b"8COR"
 
 
 def _refused(me, theirs: bytes, words: str = "") -> str:
@@ -72,11 +72,11 @@ def test_another_version_is_named_as_such(pair):
         (lambda h: h[:FIRST_CALL] + struct.pack("<I", _C.layout.epoch_period) + h[FIRST_CALL + 4:],
          "malformed configuration"),  # a first call number past the period
         (lambda h: h[:FIRST_CALL] + struct.pack("<I", 7) + h[FIRST_CALL + 4:],
-         "first call 7, network signal flag; this rank"),
+         "first call 7, network signal flag, two-shot never; this rank"),
         (lambda h: h[:DEVICE] + b"\x07" + h[DEVICE + 1:], "malformed configuration"),  # on_gpu
         (lambda h: h[:SIGNAL] + struct.pack("<I", 9) + h[SIGNAL + 4:], "malformed configuration"),
-        (lambda h: h[:ZERO] + struct.pack("<I", 1) + h[ZERO + 4:], "malformed configuration"),
-        (lambda h: h[:SIGNAL] + struct.pack("<I", 1) + h[SIGNAL + 4:], "network signal completion; this rank"),
+        (lambda h: h[:TWOSHOT] + struct.pack("<I", 1) + h[TWOSHOT + 4:], "two-shot from 1 bytes; this rank"),
+        (lambda h: h[:SIGNAL] + struct.pack("<I", 1) + h[SIGNAL + 4:], "network signal completion, two-shot never; this rank"),
         (lambda h: h[:PID] + struct.pack("<q", -1) + h[PID + 8:], "process id -1"),
         (lambda h: h[:PID] + struct.pack("<q", 2**40) + h[PID + 8:], "process id"),
         (lambda h: h[:HEADER], "shared-memory name"),

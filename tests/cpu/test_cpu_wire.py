@@ -134,7 +134,7 @@ def test_words_placed_in_random_order_are_reduced_only_once_all_arrived(dtype):
     (dict(op=_C.ReduceOp.max), "op max"),
     # A call fused with the residual add and RMSNorm exchanges the same data as a plain sum: only the call word
     # tells them apart (csrc/layout.h), and it must.
-    (dict(op=_C.ReduceOp.sum, fused=True), "op sum, fused with the residual add and RMSNorm"),
+    (dict(op=_C.ReduceOp.sum, collective=_C.layout.Collective.fused_all_reduce), "op sum, fused with the residual add and RMSNorm"),
 ], ids=["op-max", "fused"])
 def test_data_before_a_different_call_word_is_never_reduced(theirs, words):
     # The peer's words all arrive first, then its call word says it makes another call of the same byte count:

@@ -6,7 +6,7 @@ flag word for this buffer and sender, after the data on the same queue pair, whi
 memory; "completion", a zero-length RDMA WRITE WITH IMMEDIATE carrying the sender's signal count. Every offset
 and format of the region and the wire below is derived here from what csrc/layout.h and
 csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's code
-(protocol ROC7: abort words, the flags' line, then each buffer's call words on a 128-byte line of their own), so
+(protocol ROC8: abort words, the flags' line, then each buffer's call words on a 128-byte line of their own), so
 this checks the wire layout and the signalling against rdma-core's binding; only the handle's framing (the
 core's magics and header sizes) comes from rocenante._C.layout."""
 
@@ -49,7 +49,7 @@ def area_offset(buffer: int, receiver: int, source: int) -> int:
 
 
 def call_word() -> int:
-    signature = ((COUNT - 1) << 5) | (0 << 3) | (0 << 1)  # count - 1, float32, sum, not fused (csrc/layout.h)
+    signature = ((COUNT - 1) << 5) | (0 << 3) | (0 << 1)  # count - 1, float32, sum, a one-shot all-reduce (csrc/layout.h)
     return (signature ^ (EPOCH << 1)) | 1
 
 

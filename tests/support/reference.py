@@ -89,3 +89,31 @@ def check_within(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, wha
     assert not torch.isnan(got64).any(), f"{what}: NaN (unwritten)"
     worst = ((got64 - want).abs() / (8 * eps * (scale + 1e-3))).max().item()
     assert worst <= 1.0, f"{what}: error {worst:.2f}x the bound for {got.dtype}"
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.int32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view: equal views are equal bits (-0.0 and NaN payloads included)."""
+    return t.contiguous().view(_INT_VIEW[t.dtype])
+
+
+def random_bits(seed: int, case: int, rank: int, numel: int, dtype) -> torch.Tensor:
+    """Any bit pattern of the dtype (NaN payloads included), the first element -0.0 on odd ranks, a NaN on even."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + case * 101 + rank)
+    view = _INT_VIEW[dtype]
+    top = 2 ** (8 * torch.empty((), dtype=view).element_size() - 1)
+    raw = torch.randint(-top, top, (numel,), generator=g, dtype=torch.int64).to(view)
+    raw[0] = -top if rank % 2 else -1
+    return raw.view(dtype)
+
+
+def reduced(inputs, op) -> torch.Tensor:
+    """The bits every reduction returns: rank order, fp32 accumulation, one rounding (sequential_fp32), with
+    -0.0 as +0.0 (csrc/layout.h: results are sanitized like inputs)."""
+    out = sequential_fp32(inputs, op)
+    if out.dtype != torch.int32:
+        out[out == 0] = 0
+    return out

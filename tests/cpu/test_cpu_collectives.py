@@ -1,0 +1,179 @@
+"""All-gather, reduce-scatter and two-shot all-reduce between processes of one host with CPU tensors (protocol v3,
+csrc/layout.h: Shards): over shared memory, and where a test takes `net`, over the TCP software wire too. Each
+result is checked bit for bit against a reference every rank can compute, and across ranks."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+import rocenante
+from multiproc import expect_ok, run_ranks
+from nets import cases, on_path
+from reference import DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits, reduced
+
+CAPACITY = 64 << 10  # small, so that sizes often go as several pieces
+
+def _per_rank_sizes(seed: int, dtype, world: int) -> list[int]:
+    """Elements per rank around a slot's edge (the largest shard of one piece: CAPACITY / world, half of it in
+    lines) and beyond it, and random ones."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    slot = CAPACITY // world // 2 // esize  # all-gather (lines); reduce-scatter of floats has twice the room
+    rng = random.Random(seed)
+    return [1, 3, 8, slot - 1, slot, slot + 1, 2 * slot + 5, 4 * slot + 1] + [rng.randint(1, 3 * slot)]
+
+
+def _all_gather_and_reduce_scatter(store, rank, world, seed, net):
+    digests = []
+    case = 0
+    with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net) as comm:
+        for dtype in DTYPES:
+            for numel in _per_rank_sizes(seed, dtype, world):
+                case += 1
+                # All-gather: arbitrary bit patterns, -0.0 and NaN payloads among them, come back exactly.
+                shards = [random_bits(seed, case, r, numel, dtype) for r in range(world)]
+                rows = shards[rank].reshape(numel, 1)
+                in_place = case % 3 == 0
+                out = poison(torch.empty(world * numel, 1, dtype=dtype))
+                if in_place:
+                    out[rank * numel:(rank + 1) * numel] = rows
+                    got = comm.all_gather(out[rank * numel:(rank + 1) * numel], out=out)
+                else:
+                    got = comm.all_gather(rows, out=out)
+                assert got is out and got.shape == (world * numel, 1)
+                assert torch.equal(bits(got).flatten(), bits(torch.cat(shards))), f"all_gather {dtype} n={numel}"
+                digests.append(digest(got))
+                for op in ops_for(dtype):
+                    case += 1
+                    inputs = [make_input(seed, case, r, world * numel, dtype) for r in range(world)]
+                    x = inputs[rank].clone()
+                    part = slice(rank * numel, (rank + 1) * numel)
+                    if case % 4 == 0:  # in place: the output is this rank's part of the input
+                        got = comm.reduce_scatter(x, op=op, out=x[part])
+                    else:
+                        got = comm.reduce_scatter(x, op=op, out=poison(torch.empty(numel, dtype=dtype)))
+                        assert torch.equal(x, inputs[rank]), "the input was modified"
+                    want = reduced([t[part] for t in inputs], op)
+                    assert torch.equal(bits(got), bits(want)), f"reduce_scatter {dtype} {op} n={numel}"
+                    check_against_float64(got, [t[part] for t in inputs], op)
+    return digests
+
+
+@cases("net, world", ("", 2), ("", 3), ("", 4), ("tcp", 2), ("tcp", 3))
+def test_all_gather_and_reduce_scatter_match_references_bit_for_bit(net, world):
+    results = expect_ok(run_ranks(world, _all_gather_and_reduce_scatter, 4000 + world, net, timeout=240))
+    assert all(r == results[0] for r in results[1:]), "ranks gathered different bits"
+
+
+def _two_shot(store, rank, world, seed):
+    digests = []
+    case = 0
+    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60) as comm:
+        assert comm.two_shot(1) and comm.two_shot(1 << 30)
+        for dtype in DTYPES:
+            esize = torch.empty((), dtype=dtype).element_size()
+            piece = CAPACITY // (2 if dtype == torch.int32 else 1) // esize
+            rng = random.Random(seed + case)
+            for numel in [1, 5, world, 4 * world + 1, piece - 1, piece + 1, 2 * piece + 3, rng.randint(1, 3 * piece)]:
+                for op in ops_for(dtype):
+                    case += 1
+                    inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
+                    # Tiny negative values, whose average or rounding is -0.0: it comes back as +0.0 on every rank.
+                    if dtype != torch.int32:
+                        for t in inputs:
+                            t[0] = -1e-30 if dtype == torch.float32 else -1e-8
+                    x = inputs[rank].clone()
+                    in_place = case % 5 == 0
+                    got = comm.all_reduce(x, op=op, out=x if in_place else poison(torch.empty_like(x)))
+                    assert torch.equal(bits(got), bits(reduced(inputs, op))), f"two-shot {dtype} {op} n={numel}"
+                    digests.append(digest(got))
+    return digests
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_two_shot_returns_the_bits_of_one_shot_on_every_rank(world, monkeypatch):
+    # The reference is one-shot's (rank order, fp32 accumulation): equal bits, whatever exchange moved them.
+    monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
+    results = expect_ok(run_ranks(world, _two_shot, 5000 + world, timeout=240))
+    assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
+
+
+def _mismatch(store, rank, world, calls):
+    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=30) as comm:
+        with pytest.raises(ValueError, match="multiple of the world size"):  # alike on every rank: still usable
+            comm.reduce_scatter(torch.ones(2 * world + 1))
+        x = torch.ones(8 * world)
+        out = poison(torch.empty(8 * world * (world if calls[rank] == "all_gather" else 1)))
+        try:
+            if calls[rank] == "all_gather":
+                comm.all_gather(x, out=out)
+            elif calls[rank] == "reduce_scatter":
+                out = poison(torch.empty(8))
+                comm.reduce_scatter(x, out=out)
+            else:
+                comm.all_reduce(x, out=out)
+        except rocenante.CallMismatchError as err:
+            return str(err), bool(torch.isnan(out).all())
+        return "no error", False
+
+
+@pytest.mark.parametrize("calls", [("all_gather", "all_reduce"), ("reduce_scatter", "all_reduce"),
+                                   ("reduce_scatter", "all_gather")], ids="-vs-".join)
+def test_a_different_collective_is_named_on_every_rank(calls):
+    world = 2
+    results = expect_ok(run_ranks(world, _mismatch, calls, timeout=120))
+    for rank, (message, poisoned) in enumerate(results):
+        other = 1 - rank
+        assert f"rank {other} called {calls[other]} with" in message, message
+        assert poisoned, f"rank {rank}: the output of the mismatched call is not all poison"
+
+
+def _algo(store, rank, world, settings):
+    os.environ["ROCENANTE_ALGO"] = settings[rank]
+    try:
+        rocenante.Communicator(store, rank, world, timeout_s=30).close()
+    except rocenante.RocenanteError as err:
+        return str(err)
+    return "built"
+
+
+def test_ranks_that_set_rocenante_algo_differently_are_told_at_startup():
+    results = expect_ok(run_ranks(2, _algo, ("twoshot", "oneshot"), timeout=120))
+    for message in results:
+        assert "configured differently" in message and "two-shot from 0 bytes" in message \
+            and "two-shot never" in message, message
+
+
+def _timeout(store, rank, world):
+    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=1) as comm:
+        if rank == 1:  # alive, never calling
+            time.sleep(3)
+            return "absent"
+        out = torch.zeros(3 * 1000)
+        try:
+            comm.all_gather(torch.ones(1000), out=out)
+        except rocenante.PeerTimeoutError as err:
+            return str(err), bool(torch.isnan(out).all())
+        return "no error", False
+
+
+def test_an_all_gather_whose_peer_never_comes_times_out_naming_it_with_its_output_poisoned():
+    results = run_ranks(3, _timeout, timeout=120)
+    for rank in (0, 2):  # the first to time out names rank 1; the other hears it from that rank's abort word
+        assert isinstance(results[rank], tuple) and len(results[rank]) == 2, results
+        message, poisoned = results[rank]
+        assert "waiting for rank(s) 1" in message or "a wait for rank(s) 1 timed out" in message, message
+        assert poisoned, f"rank {rank}: the all-gather's output is not all poison"
+
+
+def test_world_1_and_a_scalar():
+    store = torch.distributed.HashStore()
+    with rocenante.Communicator(store, 0, 1) as comm:
+        with pytest.raises(TypeError, match="at least one dimension"):
+            comm.all_gather(torch.tensor(1.0))
+        assert torch.equal(comm.all_gather(torch.arange(4.0)), torch.arange(4.0))
+        assert torch.equal(comm.reduce_scatter(torch.arange(4.0), op="max"), torch.arange(4.0))
