@@ -198,7 +198,8 @@ def test_a_peer_allocation_smaller_than_a_region_is_refused_naming_the_peer_and_
 
 
 FAILED_BUILDS = 20
-FAILURE_CAPACITY = 128 << 20  # the largest: a region of several times that (protocol v2, world 2: 384 MiB)
+FAILURE_CAPACITY = 32 << 20  # the largest: at world 8 a region of 21 times that (protocol v3: 672 MiB)
+FAILURE_WORLD = 8
 LEFT_FREE = 96 << 20  # device memory left free (up to 62 MiB more): enough for the kernel's state, not a region
 
 
@@ -208,7 +209,7 @@ def _builds_without_memory(store, rank, world, attempts):
     from rocenante import _C
 
     dev = gpus.use(rank)
-    _C.Communicator(0, 2, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()  # what the first build loads
+    _C.Communicator(0, FAILURE_WORLD, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()  # what the first build loads
     before = gpu_probe(dev)
     hog = None
     for slack in range(0, 64 << 20, 2 << 20):  # the driver may keep a little of what it reports free
@@ -221,7 +222,7 @@ def _builds_without_memory(store, rank, world, attempts):
     messages = []
     for _ in range(attempts):
         try:
-            _C.Communicator(0, 2, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()
+            _C.Communicator(0, FAILURE_WORLD, dev.index, FAILURE_CAPACITY, 60.0, _C.OnFault.raise_).close()
         except _C.RocenanteError as err:
             messages.append(str(err))
     del hog
