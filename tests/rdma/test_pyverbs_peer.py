@@ -93,8 +93,9 @@ def _pyverbs_rank(store, mtu_drop, signal):
 
     prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
     store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
-    # world, capacity, CPU, first call, signal (0 flag, 1 completion), a zero word
-    config = struct.pack("<IIQiIII", _C.layout.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal), 0)
+    # world, capacity, CPU, first call, signal (0 flag, 1 completion), two-shot size (never: the network path)
+    config = struct.pack("<IIQiIII", _C.layout.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal),
+                         _C.layout.never)
     identity = struct.pack("<qQ", os.getpid(), 0)  # start time 0: rank 0 does not watch this process
     assert (len(config), len(config + identity)) == (_C.layout.config_bytes, _C.layout.handle_header_bytes)
     gid = bytes.fromhex(path.gid.replace(":", ""))
