@@ -342,22 +342,19 @@ template <DType D>
 void push(const AllReduceArgs& a, int buffer, uint32_t call) {
   constexpr Format F = format_of(D);
   const Shards& sh = a.shards;
-  switch (a.collective == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot ? -1 : int(a.collective)) {
-    case -1:
-      send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
-      return;
-    case int(Collective::kAllGather):
-      send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.shard_bytes, a.rank * sh.slot_chunks, call);
-      return;
-    default:  // two-shot's first exchange, a reduce-scatter
-      for (int p = 0; p < a.world; ++p) {
-        if (!(a.stores & (1u << p))) continue;
-        const Destinations to(a, buffer, 1u << p);
-        for (int s = 0; s < a.world; ++s)
-          if (s == p || (s != a.rank && (a.network & (1u << p))))
-            send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
-                       call);
-      }
+  if (!sharded(a)) {
+    send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
+  } else if (a.collective == Collective::kAllGather) {
+    send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.shard_bytes, a.rank * sh.slot_chunks, call);
+  } else {  // two-shot's first exchange, a reduce-scatter
+    for (int p = 0; p < a.world; ++p) {
+      if (!(a.stores & (1u << p))) continue;
+      const Destinations to(a, buffer, 1u << p);
+      for (int s = 0; s < a.world; ++s)
+        if (s == p || (s != a.rank && (a.network & (1u << p))))
+          send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
+                     call);
+    }
   }
 }
 
