@@ -106,12 +106,6 @@ static_assert(sizeof(ProcessIdentity) == 16, "ProcessIdentity travels as raw byt
 static_assert(sizeof(Config) + sizeof(ProcessIdentity) == kHandleHeaderBytes,
               "communicator.h says where the transport's part starts");
 
-// Sets `bytes` of host memory at `begin` to dtype's poison (poison_word()).
-void poison_host(char* begin, size_t bytes, DType dtype) {
-  const uint32_t poison = poison_word(dtype);
-  for (size_t b = 0; b < bytes; b += sizeof(poison)) std::memcpy(begin + b, &poison, std::min(sizeof(poison), bytes - b));
-}
-
 // Largest pid a Linux kernel hands out (PID_MAX_LIMIT on 64-bit).
 constexpr int64_t kMaxPid = int64_t(1) << 22;
 
@@ -416,7 +410,7 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
   // call's is (a GPU call's output is the kernel's to poison, and no kernel is launched).
   if (kernel_ == nullptr && esize != 0 && count > 0 && current_fault() != 0 &&
       validate_local(c, in, out, count, dtype) == nullptr)
-    poison_host(reinterpret_cast<char*>(out), out_bytes, dtype);
+    poison_host(reinterpret_cast<void*>(out), out_bytes, dtype);
   check_issuable(dtype, op);
   if (count == 0) return issued_;  // nothing issued: it completes with the call before
   AllReduceArgs a = call_args(dtype, op);
@@ -463,7 +457,7 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
     if (one_shot)
       poison_host(reinterpret_cast<char*>(out) + (first + n) * esize, (count - first - n) * esize, dtype);
     else
-      poison_host(reinterpret_cast<char*>(out), out_bytes, dtype);
+      poison_host(reinterpret_cast<void*>(out), out_bytes, dtype);
     if (record(fault, epoch)) tell_peers(fault, epoch);
     fail(fault_.load(), what);
   }

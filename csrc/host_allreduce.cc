@@ -475,14 +475,13 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
   return 0;
 }
 
-// Sets the `bytes` bytes at `p` to the dtype's poison (poison_word()).
-void poison(void* p, size_t bytes, DType dtype) {
+}  // namespace
+
+void poison_host(void* begin, size_t bytes, DType dtype) {
   const uint32_t word = poison_word(dtype);
   for (size_t b = 0; b < bytes; b += sizeof(word))
-    std::memcpy(static_cast<char*>(p) + b, &word, std::min(sizeof(word), bytes - b));
+    std::memcpy(static_cast<char*>(begin) + b, &word, std::min(sizeof(word), bytes - b));
 }
-
-}  // namespace
 
 uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
   const int buffer = buffer_of(epoch);
@@ -516,12 +515,12 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, 
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, interrupted, done); });
   if (fault != 0) {  // every output byte not computed: a one-shot call's rest, a sharded call's whole output
     if (!sharded(a)) {
-      poison(static_cast<char*>(a.out) + done, a.bytes - done, a.dtype);
+      poison_host(static_cast<char*>(a.out) + done, a.bytes - done, a.dtype);
     } else if (a.collective == Collective::kReduceScatter) {
-      poison(a.out, a.shards.shard_bytes, a.dtype);
+      poison_host(a.out, a.shards.shard_bytes, a.dtype);
     } else {
       for (int s = 0; s < a.world; ++s)
-        poison(static_cast<char*>(a.out) + s * a.stride_bytes, a.shards.bytes_of(s), a.dtype);
+        poison_host(static_cast<char*>(a.out) + s * a.stride_bytes, a.shards.bytes_of(s), a.dtype);
     }
   }
   note(a.timeline, epoch, kKernelEnd);

@@ -18,4 +18,7 @@ using InterruptCheck = bool (*)();
 // compute is then poisoned (poison_word).
 uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, uint32_t reset, InterruptCheck interrupted);
 
+// Sets `bytes` of host memory at `begin` to the dtype's poison (poison_word(), fault.h).
+void poison_host(void* begin, size_t bytes, DType dtype);
+
 }  // namespace rocenante

@@ -5,9 +5,9 @@
 The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the threshold),
 and where the communicator serves them (CPU tensors today) all_gather_into_tensor, reduce_scatter_tensor and
 all_gather of equal-size tensors, through a rocenante Communicator and delegates everything else to a gloo group
-(CPU tensors) or an NCCL group (CUDA tensors) built on the same store. Collectives it does not override reach those groups directly, as the
-backends registered for their device. Eligibility depends only on what every rank shares (dtype, size, op,
-configuration), so ranks never take different paths.
+(CPU tensors) or an NCCL group (CUDA tensors) built on the same store. Collectives it does not override reach those
+groups directly, as the backends registered for their device. Eligibility depends only on what every rank shares
+(dtype, size, op, configuration), so ranks never take different paths.
 
 At creation each device type runs a startup self-test: every rank checks its configuration, then the group
 builds a Communicator and all-reduces known data; the verdict is agreed through the store, so either every
@@ -207,8 +207,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
                                        lambda: self._delegate(input)._allgather_base(output, input, *_given(opts)))
 
     def all_gather_single(self, output, input, opts=None):
-        return self._gather_or_scatter("all_gather", output, input, "sum",
-                                       lambda: self._delegate(input)._allgather_base(output, input, *_given(opts)))
+        return self._allgather_base(output, input, opts)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         op = _core_op(opts.reduceOp.op) if opts is not None else _core_op("sum")
