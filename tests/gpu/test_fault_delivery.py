@@ -263,5 +263,5 @@ def test_call_that_fails_to_launch_faults_the_communicator():
         assert "rank 0 aborted the communicator: rank 0 could not launch a call" in message, message
         _assert_all_poisoned(out, f"rank 1, call {call}")
     for call, (kind, message, out) in ((2, second0), (3, third0)):
-        assert kind == "RocenanteError" and "rank 0: call 2: could not launch 5000 x float32" in message, message
+        assert kind == "RocenanteError" and "rank 0: call 2: could not launch all_reduce with 5000 x float32" in message, message
         _assert_all_poisoned(out, f"rank 0, call {call}")
