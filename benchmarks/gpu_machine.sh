@@ -19,6 +19,7 @@
 #   allreduce-tcp     the same over the TCP wire                                                about 230 s
 #   sanitizer         compute-sanitizer memcheck, initcheck, synccheck (not yet timed there)    about 300 s
 #   faults            tests/gpu/test_gpu_faults.py and test_gpu_hostile.py                      about 150 s
+#   collectives       tests/gpu/test_gpu_collectives.py (all-gather, reduce-scatter, two-shot)  not yet timed
 #   rest              every other file of tests/gpu (backend, plugins, soak, bench, ...)        about 220 s
 # On 2 x H200 the suite before worlds 3-8 took about 10 minutes (4adb2a6: 585 s, and about 100 s more for the
 # network-path tests): there too, run it in parts.
@@ -45,10 +46,11 @@ case $part in
   allreduce-tcp) selection=("$gpu/test_gpu_allreduce.py" -k "tcp and not sanitizer") ;;
   sanitizer) selection=("$gpu/test_gpu_allreduce.py" -k sanitizer) ;;
   faults) selection=("$gpu/test_gpu_faults.py" "$gpu/test_gpu_hostile.py") ;;
+  collectives) selection=("$gpu/test_gpu_collectives.py") ;;
   rest) selection=("$gpu" --ignore="$gpu/test_gpu_allreduce.py" --ignore="$gpu/test_gpu_faults.py"
-                   --ignore="$gpu/test_gpu_hostile.py") ;;
+                   --ignore="$gpu/test_gpu_hostile.py" --ignore="$gpu/test_gpu_collectives.py") ;;
   stress) selection=("$gpu/test_gpu_faults.py" -k "two_streams and tcp") ;;
-  *) echo "unknown part '$part': allreduce-direct, allreduce-tcp, sanitizer, faults or rest" >&2; exit 2 ;;
+  *) echo "unknown part '$part': allreduce-direct, allreduce-tcp, sanitizer, faults, collectives or rest" >&2; exit 2 ;;
 esac
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # the tests run in /tmp
 # NVLink multicast stays off everywhere (NCCL NVLS, torch SymmetricMemory, NVSHMEM).

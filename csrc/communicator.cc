@@ -238,8 +238,6 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
   if (twoshot_from != kNever && net != Net::kShm)
     ROCENANTE_THROW(InvalidArgument, "two-shot all-reduce is not built for the network path yet (set ROCENANTE_ALGO=oneshot)");
-  if (twoshot_from != kNever && device >= 0)
-    ROCENANTE_THROW(InvalidArgument, "two-shot all-reduce is not built for GPU tensors yet (set ROCENANTE_ALGO=oneshot)");
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
@@ -417,9 +415,6 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
   a.collective = c;
   a.algorithm = c == Collective::kAllReduce ? algorithm_for(count * esize) : Algorithm::kOneShot;
   const std::string what = describe_call(count * (c == Collective::kAllReduce ? 1 : world_), dtype, op, c, a.algorithm);
-  // Shared facts: every rank refuses alike, and the communicator stays usable.
-  if (kernel_ != nullptr && c != Collective::kAllReduce)
-    ROCENANTE_THROW(InvalidArgument, what + ": not built for GPU tensors yet");
   if (const char* why = validate_local(c, in, out, count, dtype)) {
     lock.unlock();
     refuse(what + ": " + why);

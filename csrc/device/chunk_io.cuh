@@ -69,12 +69,12 @@ __device__ inline void store_chunk(const AllReduceArgs& a, size_t c, const uint3
 }
 
 // Words one thread holds per peer for its chunk: the chunk itself (Lamport), or its two lines.
-template <DType D>
-constexpr int kWireWords = format_of(D) == Format::kLamport ? 4 : 4 * int(kLinesPerChunk);
+template <Format F>
+constexpr int kWireWords = F == Format::kLamport ? 4 : 4 * int(kLinesPerChunk);
 
-template <DType D>
+template <Format F>
 __device__ __forceinline__ void send_chunk(uint32_t* dst, size_t c, const uint32_t (&w)[4], uint32_t call) {
-  if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (F == Format::kLamport) {
     store_remote(dst + c * (kChunkBytes / sizeof(uint32_t)), w);
   } else {
     Line* lines = reinterpret_cast<Line*>(dst);
@@ -84,10 +84,10 @@ __device__ __forceinline__ void send_chunk(uint32_t* dst, size_t c, const uint32
 }
 
 // One poll of a peer's chunk: true once all of it has arrived (its words in `got`).
-template <DType D>
-__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<D>],
+template <Format F>
+__device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32_t call, uint32_t (&got)[kWireWords<F>],
                                            bool host) {
-  if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (F == Format::kLamport) {
     uint32_t w[4];
     load_polled(src + c * (kChunkBytes / sizeof(uint32_t)), w, host);
 #pragma unroll
@@ -105,9 +105,9 @@ __device__ __forceinline__ bool poll_chunk(const uint32_t* src, size_t c, uint32
 }
 
 // The payload words of a chunk as polled.
-template <DType D>
-__device__ __forceinline__ void payload(const uint32_t (&got)[kWireWords<D>], uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport) {
+template <Format F>
+__device__ __forceinline__ void payload(const uint32_t (&got)[kWireWords<F>], uint32_t (&w)[4]) {
+  if constexpr (F == Format::kLamport) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = got[i];
   } else {
@@ -115,9 +115,10 @@ __device__ __forceinline__ void payload(const uint32_t (&got)[kWireWords<D>], ui
   }
 }
 
-template <DType D>
+// A chunk as it is sent in format F, and as every rank reduces its own input and its results (layout.h).
+template <DType D, Format F = format_of(D)>
 __device__ __forceinline__ void sanitize(uint32_t (&w)[4]) {
-  if constexpr (format_of(D) == Format::kLamport) {
+  if constexpr (F == Format::kLamport) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = sanitize_word(w[i], D);
   }

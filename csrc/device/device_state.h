@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "../allreduce_args.h"
 #include "../fault.h"
 #include "../layout.h"
 
@@ -24,8 +25,8 @@ struct DeviceState {
   // Device word, never cleared: kFaulted | kNotATimeout? (oneshot_allreduce.cu) | bit mask of peers a thread
   // gave up on. Threads poll it at their timer reads; a launch that finds it set poisons its whole output.
   uint32_t* fault_mask;
-  // spans[b]: span_bytes() of the last call that used buffer b, which the next call resets (layout.h).
-  uint32_t* spans;
+  // footprints[b]: footprint_of() the last call that used buffer b, which the next call resets (layout.h).
+  uint32_t* footprints;
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
   // Network peers: CTAs of this launch that have finished their stores into the images, and those of them
@@ -33,9 +34,22 @@ struct DeviceState {
   uint32_t* sent;
 };
 
-// The kernel that serves calls of `dtype` and `op` at `world` (fused: with the add + RMSNorm epilogue), as
-// cudaLaunchKernelExC and the occupancy queries take it; nullptr where there is none (int32 avg; a fused call
-// that is not a sum of a float dtype).
-const void* oneshot_kernel_entry(DType dtype, ReduceOp op, int world, bool fused);
+// The kernels: one-shot all-reduce, plain or with the add + RMSNorm epilogue (oneshot_allreduce_kernel), and the
+// sharded collectives (sharded_kernel).
+enum class Variant : int { kOneShot = 0, kFused, kTwoShot, kReduceScatter, kAllGather };
+constexpr int kNumVariants = 5;
+inline Variant variant_of(const AllReduceArgs& a) {
+  switch (a.collective) {
+    case Collective::kFusedAllReduce: return Variant::kFused;
+    case Collective::kAllGather: return Variant::kAllGather;
+    case Collective::kReduceScatter: return Variant::kReduceScatter;
+    case Collective::kAllReduce: break;
+  }
+  return a.algorithm == Algorithm::kTwoShot ? Variant::kTwoShot : Variant::kOneShot;
+}
+
+// The kernel that serves calls of `variant`, `dtype` and `op` at `world`, as cudaLaunchKernelExC and the occupancy
+// queries take it; nullptr where there is none (int32 avg; a fused call that is not a sum of a float dtype).
+const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant);
 
 }  // namespace rocenante

@@ -47,17 +47,17 @@ LaunchShape fused_shape(const AllReduceArgs& a, int max_blocks) {
 // since a CTA waits for data that the peers' CTAs send, and those may be waiting for ours in turn. Counted per
 // kernel, so that the kernels that need more registers (int32's lines, the fused rows) do not lower the others'.
 // 0 where there is no such kernel.
-using LaunchBounds = std::array<std::array<std::array<int, 2>, kNumOps>, kNumDTypes>;
+using LaunchBounds = std::array<std::array<std::array<int, kNumVariants>, kNumOps>, kNumDTypes>;
 LaunchBounds launch_bounds(int world, int multiprocessors) {
   LaunchBounds bounds{};
   for (const DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32})
     for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-      for (const bool fused : {false, true}) {
-        const void* kernel = oneshot_kernel_entry(d, op, world, fused);
+      for (int variant = 0; variant < kNumVariants; ++variant) {
+        const void* kernel = kernel_entry(d, op, world, Variant(variant));
         if (kernel == nullptr) continue;
         int per_sm = 0;
         ROCENANTE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-        bounds[int(d)][int(op)][fused] = std::min(kMaxBlocks, multiprocessors * per_sm);
+        bounds[int(d)][int(op)][variant] = std::min(kMaxBlocks, multiprocessors * per_sm);
       }
     }
   return bounds;
@@ -72,14 +72,14 @@ class CudaOneshotKernel final : public OneshotKernel {
       ROCENANTE_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device_));
       max_blocks_ = launch_bounds(world, multiprocessors);
       for (const auto& per_op : max_blocks_)
-        for (const auto& per_fused : per_op)
-          for (const int blocks : per_fused) state_.copies = std::max(state_.copies, blocks);
-      // One allocation: epochs[kMaxBlocks], fault_mask, spans[kBuffers], sent.
+        for (const auto& per_variant : per_op)
+          for (const int blocks : per_variant) state_.copies = std::max(state_.copies, blocks);
+      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent.
       constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 1;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
-      state_.spans = state_.fault_mask + 1;
-      state_.sent = state_.spans + kBuffers;
+      state_.footprints = state_.fault_mask + 1;
+      state_.sent = state_.footprints + kBuffers;
       std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
@@ -121,9 +121,12 @@ class CudaOneshotKernel final : public OneshotKernel {
     const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     order_after_previous_call(stream);
     const AllReduceArgs& a = args;
-    const bool fused = a.norm.hidden != 0;
-    const int max_blocks = max_blocks_[int(a.dtype)][int(a.op)][fused];
-    const LaunchShape shape = fused ? fused_shape(a, max_blocks) : oneshot_shape(a.bytes, max_blocks);
+    const Variant variant = variant_of(a);
+    const int max_blocks = max_blocks_[int(a.dtype)][int(a.op)][int(variant)];
+    // A sharded call's threads walk the slots' chunks (sharded_kernel).
+    const LaunchShape shape = variant == Variant::kFused ? fused_shape(a, max_blocks)
+                              : sharded(a) ? oneshot_shape(a.world * a.shards.slot_chunks * kChunkBytes, max_blocks)
+                                           : oneshot_shape(a.bytes, max_blocks);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -134,7 +137,7 @@ class CudaOneshotKernel final : public OneshotKernel {
     config.attrs = &overlap;
     config.numAttrs = 1;
     // A plain call always has a kernel: the communicator refuses int32 avg before (validate_shared()).
-    const void* kernel = oneshot_kernel_entry(a.dtype, a.op, a.world, fused);
+    const void* kernel = kernel_entry(a.dtype, a.op, a.world, variant);
     if (kernel == nullptr) ROCENANTE_THROW(InvalidArgument, "the fused add + RMSNorm serves sums of float dtypes");
     AllReduceArgs args_copy = a;  // the kernel's parameters, by value
     DeviceState state = state_;

@@ -1,7 +1,7 @@
 // Every memory access of the kernel that another grid, GPU or the host observes, with the ordering it needs.
 // Areas and call words: see layout.h for why volatile accesses of whole words (Lamport) or whole 8-byte halves
 // (lines) need no fence: every word a peer stores validates itself, whatever order the words land in. Epoch and
-// spans: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
+// footprints: read by a CTA at its start and written at its end, seen by the next launch on this GPU. Fault record
 // and abort words: seen by the host and by peer GPUs (system scope); the release orders what a thread wrote
 // before them (e.g. the record's epoch) first. Mailbox (network peers, layout.h): the ring is stored with
 // release at system scope, since the proxy thread on the host is the other side; the arrival words (a peer's
@@ -91,7 +91,7 @@ __device__ __forceinline__ void store_empty_word(uint32_t* p, bool host) {
   }
 }
 
-// The epoch and spans are relaxed (yet strong, GPU scope: no data race in PTX's model) on purpose. Within a
+// The epoch and footprints are relaxed (yet strong, GPU scope: no data race in PTX's model) on purpose. Within a
 // launch an epoch copy is read and written only by one CTA, its read and its write separated by __syncthreads,
 // and a launch writes only the span of its own buffer while it reads the previous buffer's; between launches
 // the kernel boundary (with PDL, griddepcontrol.wait: the previous grid has completed and its writes are

@@ -105,6 +105,136 @@ __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, 
   return now > deadline ? encode_fault(Fault::kPeerTimeout, pending, 0) : 0;
 }
 
+// Waits until chunk `c` of each peer in `pending` (its area of buffer b in our region) has arrived, its words in
+// got[p], and that peer's call word equals ours (peers in `calls_seen` were seen equal already; this adds those
+// seen now). A round issues all of its loads before it looks at any, so it costs one memory round trip whatever
+// the world; indices into `got` are compile-time constants after unrolling, so the words stay in registers.
+// Returns false once the call failed: a mismatch, an abort word, a timeout (recorded), or a fault another thread
+// recorded. `deadline` is set at the first timer read, so a call whose peers are already there never reads it.
+template <Format F, int W>
+__device__ __forceinline__ bool receive(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer,
+                                        uint32_t call, size_t c, uint32_t pending, uint32_t& calls_seen,
+                                        uint64_t& deadline, uint32_t (&got)[W][kWireWords<F>]) {
+  // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its call
+  // word before it aborts, and this rank should name that call rather than relay the abort.
+  uint64_t fault = 0;
+  for (int polls = 1;; ++polls) {
+    uint32_t theirs[W];  // the peer's call word as read this round (ours once seen; kEmpty: not read)
+    bool landed[W];      // every word of its chunk has arrived
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      theirs[p] = calls_seen & (1u << p) ? call : kEmpty;
+      landed[p] = false;
+      if (!(pending & (1u << p))) continue;
+      // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
+      const bool network = a.network & (1u << p);
+      if (network && !(calls_seen & (1u << p))) {
+        if (load_polled(a.arrivals + buffer * kMaxRanks + p, true) != epoch) continue;
+        fence_acquire_sys();
+      }
+      if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p), network);
+      landed[p] = poll_chunk<F>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p], network);
+    }
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      if (!(pending & (1u << p))) continue;
+      if (theirs[p] == call) {
+        calls_seen |= 1u << p;
+      } else if (theirs[p] != kEmpty) {  // the peer made a different call: say which
+        record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs[p], epoch)), epoch);
+        return false;
+      }
+      if (landed[p] && (calls_seen & (1u << p))) pending &= ~(1u << p);
+    }
+    if (pending == 0) return true;
+    if (fault != 0) {
+      if (fault != kFaulted) record_fault(a, s, fault, epoch);
+      return false;
+    }
+    if (polls % kPollsPerClockRead == 0) {
+      const uint64_t now = global_timer_ns();
+      if (deadline == 0) deadline = now + a.timeout_ns;
+      fault = check_waiting(a, s, now, deadline, pending);
+    }
+  }
+}
+
+// Resets the previous call's buffer of our own region while our data travels (layout.h says why it is free by now):
+// what that call wrote into each area (its footprint, DeviceState::footprints), and the call words; then records this
+// call's footprint. With network peers the region is host memory, and the reset must be there before this kernel
+// ends (memory_order.cuh). Every thread of the launch takes part.
+__device__ __forceinline__ void reset_previous(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch,
+                                               int buffer, size_t first, size_t stride) {
+  const int previous = previous_buffer(epoch);
+  const uint32_t footprint = load_relaxed(&s.footprints[previous]);
+  const bool host_region = a.network != 0;
+  for (int q = 0; q < a.world - 1; ++q) {
+    const int source = q < a.rank ? q : q + 1;
+    uint32_t* base = a.local + a.layout.area_offset(previous, a.rank, source) / sizeof(uint32_t);
+    size_t begin[2], end[2];
+    const int ranges = footprint_ranges(footprint, a.rank, source, begin, end);
+    for (int i = 0; i < ranges; ++i)
+      for (size_t u = begin[i] / kChunkBytes + first; u < end[i] / kChunkBytes; u += stride)
+        store_empty(base + u * (kChunkBytes / sizeof(uint32_t)), host_region);
+  }
+  if (first < kMaxRanks) store_empty_word(call_word(a.local, previous, int(first)), host_region);
+  if (host_region) __threadfence_system();  // its cost hides behind the wait for the peers' data
+  if (first == 0) store_relaxed(&s.footprints[buffer], footprint_of(a));
+}
+
+// The reduction of one chunk: our own (sanitized) and every peer's as received, in rank order with fp32
+// accumulation, rounded to the dtype and sanitized as inputs are (layout.h: two-shot sends it on, and one-shot
+// returns the same bits).
+template <DType D, ReduceOp Op, int W>
+__device__ __forceinline__ void reduce_chunk(const AllReduceArgs& a, const uint32_t (&own)[4],
+                                             const uint32_t (&got)[W][kWireWords<format_of(D)>], uint32_t (&w)[4]) {
+  typename Chunk<D>::Acc acc[Chunk<D>::kElems];
+#pragma unroll
+  for (int p = 0; p < W; ++p) {
+    if (p >= a.world) continue;
+    uint32_t x[4];
+    if (p == a.rank) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = own[i];
+    } else {
+      payload<format_of(D)>(got[p], x);
+    }
+    accumulate<D, Op>(acc, x, p == 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = 0;
+  finish<D, Op>(acc, a.world, w);
+  sanitize<D>(w);
+}
+
+// Our call word into every peer's region we store to (one thread of the launch).
+template <int W>
+__device__ __forceinline__ void send_call_word(const AllReduceArgs& a, int buffer, uint32_t call) {
+#pragma unroll
+  for (int p = 0; p < W; ++p)
+    if (p < a.world && (a.stores & (1u << p))) store_remote(call_word(a.peer[p], buffer, a.rank), call);
+}
+
+// Launched with programmatic stream serialization (launch.cc): a grid may be scheduled while the previous kernel
+// of the stream is still running. griddepcontrol.wait returns once that kernel has completed and its writes (the
+// caller's input, our epoch, footprints and reset) are visible; launch_dependents then lets the next kernel be
+// scheduled, and that kernel in turn waits for our completion. No data moves before the wait. Returns this
+// call's number.
+__device__ __forceinline__ uint32_t begin_launch(const DeviceState& s) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+  return load_relaxed(&s.epochs[blockIdx.x]);
+}
+
+// Advances the epoch: every thread of this CTA has read epochs[blockIdx.x] (begin_launch()) before this barrier.
+// The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
+__device__ __forceinline__ void end_launch(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, size_t first) {
+  if (first == 0) note(a, epoch, kKernelEnd);
+  __syncthreads();
+  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < s.copies; j += gridDim.x * blockDim.x)
+    store_relaxed(&s.epochs[j], next_epoch(epoch));
+}
+
 // Which chunks a thread sends and then receives: the same ones, so that a thread reads its own input chunk
 // before it writes any output at that chunk's place, and in-place calls (outputs equal to the input or the
 // residual) need no CTA to wait for another. A walk goes through a thread's chunks kSendBatch at a time from a
@@ -142,7 +272,7 @@ __device__ __forceinline__ void send_chunks(const AllReduceArgs& a, int buffer, 
 #pragma unroll
       for (int p = 0; p < W; ++p)
         if (p < a.world && (a.stores & (1u << p)))
-          send_chunk<D>(area(a.peer[p], a.layout, buffer, p, a.rank), c, w[i], call);
+          send_chunk<format_of(D)>(area(a.peer[p], a.layout, buffer, p, a.rank), c, w[i], call);
     }
   }
 }
@@ -158,13 +288,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
   static_assert(!kFused || kFusable<D, Op>, "the fused epilogue serves sums of float dtypes");
   using C = Chunk<D>;
-  // Launched with programmatic stream serialization (launch.cc): this grid may be scheduled while the
-  // previous kernel of the stream is still running. griddepcontrol.wait returns once that kernel has completed
-  // and its writes (the caller's input, our epoch, spans and reset) are visible; launch_dependents then lets the
-  // next kernel be scheduled, and that kernel in turn waits for our completion. No data moves before the wait.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
-  const uint32_t epoch = load_relaxed(&s.epochs[blockIdx.x]);
+  const uint32_t epoch = begin_launch(s);
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   const size_t chunks = (a.bytes + kChunkBytes - 1) / kChunkBytes;
@@ -180,11 +304,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   // Every CTA sends all of its chunks before it waits for anything, so no wait of any CTA depends on a CTA
   // that has not sent yet, whatever chunks each CTA receives (below, the fused rows rely on it).
   if (!failed) {
-    if (first == 0) {
-#pragma unroll
-      for (int p = 0; p < W; ++p)
-        if (p < a.world && (a.stores & (1u << p))) store_remote(call_word(a.peer[p], buffer, a.rank), call);
-    }
+    if (first == 0) send_call_word<W>(a, buffer, call);
     if constexpr (kFused) {
       send_chunks<D, W>(a, buffer, call, chunks, rows);
     } else {
@@ -192,21 +312,9 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     }
   }
 
-  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, span_bytes(a.bytes, D), !failed);
+  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, call_span_bytes(a), !failed);
 
-  // Reset the previous call's buffer while our data travels (layout.h says why it is free by now). With network
-  // peers the region is host memory, and the reset must be there before this kernel ends (memory_order.cuh).
-  const int previous = previous_buffer(epoch);
-  const size_t reset_units = load_relaxed(&s.spans[previous]) / kChunkBytes;
-  const bool host_region = a.network != 0;
-  for (int q = 0; q < a.world - 1; ++q) {
-    uint32_t* base = a.local + a.layout.area_offset(previous, a.rank, q < a.rank ? q : q + 1) / sizeof(uint32_t);
-    for (size_t u = first; u < reset_units; u += stride)
-      store_empty(base + u * (kChunkBytes / sizeof(uint32_t)), host_region);
-  }
-  if (first < kMaxRanks) store_empty_word(call_word(a.local, previous, int(first)), host_region);
-  if (host_region) __threadfence_system();  // its cost hides behind the wait for the peers' data below
-  if (first == 0) store_relaxed(&s.spans[buffer], uint32_t(span_bytes(a.bytes, D)));
+  reset_previous(a, s, epoch, buffer, first, stride);
 
   // The pull, one loop for both variants (the receive of a chunk is written once, here). Plain: a step per
   // chunk of this thread (one slot, the chunk itself), its sum stored to the output. Fused: a step per row of
@@ -239,75 +347,18 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
       uint32_t own[4];
       load_chunk(a, c, own);  // issued before the wait, so its latency hides behind it
       sanitize<D>(own);
-      // Poll every peer's chunk (and, until it matched, its call word) until all have arrived. A round issues
-      // all of its loads before it looks at any, so it costs one memory round trip whatever the world. Indices
-      // into `got` are compile-time constants after unrolling, so the words stay in registers.
-      uint32_t got[W][kWireWords<D>];
-      uint32_t pending = ((1u << a.world) - 1) & ~(1u << a.rank);
-      // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its
-      // call word before it aborts, and this rank should name that call rather than relay the abort.
-      uint64_t fault = 0;
-      for (int polls = 1;; ++polls) {
-        uint32_t theirs[W];  // the peer's call word as read this round (ours once seen; kEmpty: not read)
-        bool landed[W];      // every word of its chunk has arrived
-#pragma unroll
-        for (int p = 0; p < W; ++p) {
-          theirs[p] = calls_seen & (1u << p) ? call : kEmpty;
-          landed[p] = false;
-          if (!(pending & (1u << p))) continue;
-          // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
-          const bool network = a.network & (1u << p);
-          if (network && !(calls_seen & (1u << p))) {
-            if (load_polled(a.arrivals + buffer * kMaxRanks + p, true) != epoch) continue;
-            fence_acquire_sys();
-          }
-          if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p), network);
-          landed[p] = poll_chunk<D>(area(a.local, a.layout, buffer, a.rank, p), c, call, got[p], network);
-        }
-#pragma unroll
-        for (int p = 0; p < W; ++p) {
-          if (!(pending & (1u << p))) continue;
-          if (theirs[p] == call) {
-            calls_seen |= 1u << p;
-          } else if (theirs[p] != kEmpty && !failed) {  // the peer made a different call: say which
-            record_fault(a, s, encode_fault(Fault::kCallMismatch, p, flag_signature(theirs[p], epoch)), epoch);
-            failed = true;
-          }
-          if (landed[p] && (calls_seen & (1u << p))) pending &= ~(1u << p);
-        }
-        if (failed || pending == 0) break;
-        if (fault != 0) {
-          if (fault != kFaulted) record_fault(a, s, fault, epoch);
-          failed = true;
-          break;
-        }
-        if (polls % kPollsPerClockRead == 0) {
-          const uint64_t now = global_timer_ns();
-          if (deadline == 0) deadline = now + a.timeout_ns;
-          fault = check_waiting(a, s, now, deadline, pending);
-        }
-      }
+      // Every peer's chunk (and, until it matched, its call word).
+      uint32_t got[W][kWireWords<format_of(D)>];
+      const uint32_t peers = ((1u << a.world) - 1) & ~(1u << a.rank);
+      failed = !receive<format_of(D), W>(a, s, epoch, buffer, call, c, peers, calls_seen, deadline, got);
       if (failed) {
         if (!kFused) store_poison(a.out, c * kChunkBytes, a.bytes, a.dtype);
         continue;
       }
       if (c == 0) note(a, epoch, kKernelArrived);
 
-      typename C::Acc acc[C::kElems];
-#pragma unroll
-      for (int p = 0; p < W; ++p) {
-        if (p >= a.world) continue;
-        uint32_t w[4];
-        if (p == a.rank) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) w[i] = own[i];
-        } else {
-          payload<D>(got[p], w);
-        }
-        accumulate<D, Op>(acc, w, p == 0);
-      }
-      uint32_t w[4] = {0, 0, 0, 0};
-      finish<D, Op>(acc, a.world, w);  // the sum, rounded to the dtype
+      uint32_t w[4];
+      reduce_chunk<D, Op, W>(a, own, got, w);
       if constexpr (!kFused) {
         store_chunk(a, c, w);
       } else {
@@ -342,12 +393,122 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     }
   }
 
-  if (first == 0) note(a, epoch, kKernelEnd);
-  // Advance the epoch: every thread of this CTA has read epochs[blockIdx.x] above, before this barrier.
-  // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
-  __syncthreads();
-  for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < s.copies; j += gridDim.x * blockDim.x)
-    store_relaxed(&s.epochs[j], next_epoch(epoch));
+  end_launch(a, s, epoch, first);
+}
+
+// Two-shot all-reduce, reduce-scatter and all-gather (layout.h, Shards), one launch each:
+//   push:   shard t of our input into our area of rank t's region, at slot t (a network peer's image: every shard
+//           but ours, as the host loop does); an all-gather: our shard, at our slot, into every peer's, and into
+//           our own output (no peer's data in it, so it needs no peer's call word);
+//   reset:  the previous call's footprint, as one-shot;
+//   reduce: our shard, chunk by chunk once every peer's has arrived, in rank order as one-shot (the same bits);
+//           into our output, and for two-shot into every peer's region at our slot as well;
+//   gather: each peer's slot as it arrives (its reduced shard, or its input for an all-gather) into our output.
+// Deadlock-free as one-shot: every CTA pushes before it waits; the reduce waits only for pushes; the gather waits
+// only for the peers' reduce, which waits for nothing else; every CTA of a launch is resident at once. A thread
+// touches a chunk of the caller's tensors in one phase only (in place: it reads the input chunk before it writes
+// the output there), except the gather's chunks, which the same thread pushed before: both walk the slots'
+// chunks as first + k * stride. A thread that fails poisons each output chunk it had still to write.
+template <DType D, ReduceOp Op, int W, Collective Kind>
+__global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a, const DeviceState s) {
+  constexpr Format F = format_of(Kind, D);
+  constexpr bool kGather = Kind == Collective::kAllGather;
+  constexpr bool kTwoShot = Kind == Collective::kAllReduce;
+  const uint32_t epoch = begin_launch(s);
+  const int buffer = buffer_of(epoch);
+  const uint32_t call = make_flag(a.signature, epoch);
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const Shards& sh = a.shards;
+  const int r = a.rank;
+  const size_t slot = sh.slot_chunks, slots = size_t(a.world) * slot;
+  const char* const in = static_cast<const char*>(a.in);
+  char* const out = static_cast<char*>(a.out);
+  bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
+  if (first == 0) note(a, epoch, kKernelStart);
+
+  if (!failed) {
+    if (first == 0) send_call_word<W>(a, buffer, call);
+    if constexpr (kGather) {
+      for (size_t j = first; j < sh.chunks_of(r); j += stride) {
+        uint32_t w[4];
+        load_words(in, j * kChunkBytes, sh.shard_bytes, a.dtype, w);
+#pragma unroll
+        for (int p = 0; p < W; ++p)
+          if (p < a.world && (a.stores & (1u << p)))
+            send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), r * slot + j, w, call);
+        store_words(out + r * a.stride_bytes, j * kChunkBytes, sh.shard_bytes, a.dtype, w);
+      }
+    } else {
+      for (size_t v = first; v < slots; v += stride) {
+        const int t = int(v / slot);
+        const size_t j = v % slot;
+        if (t == r || j >= sh.chunks_of(t)) continue;
+        uint32_t w[4];
+        load_words(in + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
+        sanitize<D, F>(w);
+#pragma unroll
+        for (int p = 0; p < W; ++p)
+          if (p < a.world && (a.stores & (1u << p)) && (p == t || (a.network & (1u << p))))
+            send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), v, w, call);
+      }
+    }
+  }
+  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, call_span_bytes(a), !failed);
+  reset_previous(a, s, epoch, buffer, first, stride);
+
+  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+  uint64_t deadline = 0;
+  const uint32_t peers = ((1u << a.world) - 1) & ~(1u << r);
+  if constexpr (!kGather) {
+    char* const mine = kTwoShot ? out + r * a.stride_bytes : out;  // our reduced shard's place in the output
+    for (size_t j = first; j < sh.chunks_of(r); j += stride) {
+      if (!failed) {
+        uint32_t own[4];
+        load_words(in + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype, own);
+        sanitize<D>(own);
+        uint32_t got[W][kWireWords<F>];
+        failed = !receive<F, W>(a, s, epoch, buffer, call, r * slot + j, peers, calls_seen, deadline, got);
+        if (!failed) {
+          uint32_t w[4];
+          reduce_chunk<D, Op, W>(a, own, got, w);
+          store_words(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
+          if constexpr (kTwoShot) {
+#pragma unroll
+            for (int p = 0; p < W; ++p)
+              if (p < a.world && (a.stores & (1u << p)))
+                send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), r * slot + j, w, call);
+          }
+          continue;
+        }
+      }
+      store_poison(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype);
+    }
+  }
+  if constexpr (kGather || kTwoShot) {
+    for (size_t v = first; v < slots; v += stride) {
+      const int t = int(v / slot);
+      const size_t j = v % slot;
+      if (j >= sh.chunks_of(t) || t == r) {
+        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.shard_bytes, a.dtype);
+        continue;
+      }
+      if (!failed) {
+        uint32_t got[W][kWireWords<F>];
+        failed = !receive<F, W>(a, s, epoch, buffer, call, v, 1u << t, calls_seen, deadline, got);
+        if (!failed) {
+          uint32_t w[4];
+#pragma unroll
+          for (int p = 0; p < W; ++p)
+            if (p == t) payload<F>(got[p], w);
+          store_words(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
+          continue;
+        }
+      }
+      store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
+    }
+  }
+  end_launch(a, s, epoch, first);
 }
 
 // Calls f.template operator()<W>() with the kernel's world bound for `world` (see the kernel).
@@ -360,14 +521,31 @@ void dispatch_world(int world, F&& f) {
 
 }  // namespace
 
-const void* oneshot_kernel_entry(DType dtype, ReduceOp op, int world, bool fused) {
+const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
   const void* kernel = nullptr;
+  if (variant == Variant::kAllGather) {  // moves bits: one kernel for every dtype (sizes are the call's)
+    dispatch_world(world, [&]<int W>() {
+      kernel = reinterpret_cast<const void*>(sharded_kernel<DType::kInt32, ReduceOp::kSum, W, Collective::kAllGather>);
+    });
+    return kernel;
+  }
   dispatch_dtype_op(dtype, op, [&]<DType D, ReduceOp Op>() {
     dispatch_world(world, [&]<int W>() {
-      if (!fused)
-        kernel = reinterpret_cast<const void*>(oneshot_allreduce_kernel<D, Op, W, false>);
-      else if constexpr (kFusable<D, Op>)
-        kernel = reinterpret_cast<const void*>(oneshot_allreduce_kernel<D, Op, W, true>);
+      switch (variant) {
+        case Variant::kOneShot:
+          kernel = reinterpret_cast<const void*>(oneshot_allreduce_kernel<D, Op, W, false>);
+          break;
+        case Variant::kFused:
+          if constexpr (kFusable<D, Op>) kernel = reinterpret_cast<const void*>(oneshot_allreduce_kernel<D, Op, W, true>);
+          break;
+        case Variant::kTwoShot:
+          kernel = reinterpret_cast<const void*>(sharded_kernel<D, Op, W, Collective::kAllReduce>);
+          break;
+        case Variant::kReduceScatter:
+          kernel = reinterpret_cast<const void*>(sharded_kernel<D, Op, W, Collective::kReduceScatter>);
+          break;
+        case Variant::kAllGather: break;
+      }
     });
   });
   return kernel;

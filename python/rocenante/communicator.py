@@ -318,9 +318,8 @@ class Communicator:
 
     @property
     def collectives(self) -> tuple:
-        """The collectives this communicator serves: all_reduce, and on the CPU all_gather and reduce_scatter
-        (not built for GPU tensors yet)."""
-        return ("all_reduce",) if self.device.type == "cuda" else ("all_reduce", "all_gather", "reduce_scatter")
+        """The collectives this communicator serves."""
+        return ("all_reduce", "all_gather", "reduce_scatter")
 
     def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None, out: Optional[torch.Tensor] = None,
               collective: str = "all_reduce") -> int:

@@ -1,0 +1,163 @@
+"""All-gather, reduce-scatter and two-shot all-reduce on GPUs (sharded_kernel, csrc/device/oneshot_allreduce.cu):
+every dtype and op at slot and piece edges, bit for bit against references every rank computes, in CUDA graphs,
+with a mismatched collective; directly (CUDA IPC) and, for all-gather and reduce-scatter, over the TCP wire (two-shot
+is not built for the network path). Worlds 2 to 8 on whatever GPUs there are (tests/support/gpus.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import gpus
+from multiproc import expect_ok, run_ranks
+from nets import on_path
+from reference import DTYPES, bits, make_input, ops_for, poison, random_bits, reduced
+
+WORLDS = [2, 3, 4, 8]
+CAPACITY = 64 << 10  # small, so that calls go as pieces
+
+
+def _comm(store, rank, world, net):
+    import rocenante
+
+    return on_path(rocenante.Communicator(store, rank, world, device=gpus.use(rank), capacity_bytes=CAPACITY,
+                                          timeout_s=60), net)
+
+
+def _two_shot_where_built(net, monkeypatch):
+    """Every all-reduce two-shot, on the path that has it (the direct one)."""
+    if not net:
+        monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
+
+
+def _sizes(seed, dtype, world) -> list[int]:
+    """Elements per rank: tiny, around a slot (an all-gather's largest shard of one piece), beyond it."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    slot = CAPACITY // world // 2 // esize
+    sizes = [1, 5, slot - 1, slot + 1, 2 * slot + 3, random.Random(seed).randint(1, 3 * slot)]
+    return sizes[::2] if gpus.shared(world) else sizes
+
+
+def _every_collective(store, rank, world, seed, net):
+    comm = _comm(store, rank, world, net)
+    two_shot = comm.two_shot(1)
+    dev = gpus.device_of(rank)
+    case, checked = 0, 0
+    for dtype in DTYPES:
+        for numel in _sizes(seed + case, dtype, world):
+            case += 1
+            shards = [random_bits(seed, case, r, numel, dtype) for r in range(world)]
+            out = poison(torch.empty(world * numel, dtype=dtype, device=dev))
+            if case % 3 == 0:  # in place: the input is this rank's part of the output
+                out[rank * numel:(rank + 1) * numel] = shards[rank].to(dev)
+                comm.all_gather(out[rank * numel:(rank + 1) * numel], out=out)
+            else:
+                comm.all_gather(shards[rank].to(dev), out=out)
+            if not torch.equal(bits(out.cpu()), bits(torch.cat(shards))):
+                raise AssertionError(f"all_gather {dtype} n={numel}")
+            checked += 1
+            for op in ops_for(dtype):
+                case += 1
+                inputs = [make_input(seed, case, r, world * numel, dtype) for r in range(world)]
+                part = slice(rank * numel, (rank + 1) * numel)
+                x = inputs[rank].to(dev)
+                got = comm.reduce_scatter(x, op=op, out=x[part] if case % 4 == 0 else None)
+                if not torch.equal(bits(got.cpu()), bits(reduced(inputs, op)[part])):
+                    raise AssertionError(f"reduce_scatter {dtype} {op} n={numel}")
+                if two_shot:
+                    x = inputs[rank].to(dev)
+                    got = comm.all_reduce(x, op=op, out=x if case % 5 == 0 else None)
+                    if not torch.equal(bits(got.cpu()), bits(reduced(inputs, op))):
+                        raise AssertionError(f"two-shot all_reduce {dtype} {op} n={world * numel}")
+                checked += 1
+    comm.synchronize()
+    comm.close()
+    return checked
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_collective_dtype_and_op_bit_for_bit(net, world, monkeypatch):
+    _two_shot_where_built(net, monkeypatch)
+    results = expect_ok(run_ranks(world, _every_collective, 6000 + world, net, timeout=600))
+    assert results == [results[0]] * world and results[0] > 0, results
+
+
+def _graph(store, rank, world, net, replays):
+    comm = _comm(store, rank, world, net)
+    two_shot = comm.two_shot(1)
+    dev = gpus.device_of(rank)
+    n = 4099  # per rank: a tail that is not a whole chunk
+    x = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+    shard = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    gathered, scattered, summed = torch.empty_like(x), torch.empty_like(shard), torch.empty_like(x)
+
+    def calls():
+        comm.all_gather(shard, out=gathered)
+        comm.reduce_scatter(x, out=scattered)
+        if two_shot:
+            comm.all_reduce(x, out=summed)
+
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):  # warm up off the capture
+        calls()
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for i in range(replays):
+        inputs = [make_input(i, 0, r, world * n, torch.bfloat16) for r in range(world)]
+        shards = [random_bits(i, 1, r, n, torch.bfloat16) for r in range(world)]
+        x.copy_(inputs[rank])
+        shard.copy_(shards[rank])
+        for t in (gathered, scattered, summed):
+            poison(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reduced(inputs, "sum")
+        if not torch.equal(bits(gathered.cpu()), bits(torch.cat(shards))) \
+                or not torch.equal(bits(scattered.cpu()), bits(want[rank * n:(rank + 1) * n])) \
+                or (two_shot and not torch.equal(bits(summed.cpu()), bits(want))):
+            raise AssertionError(f"replay {i} gave a wrong result")
+    comm.synchronize()
+    comm.close()
+    return replays
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_graph_replays_with_new_inputs(net, world, monkeypatch):
+    _two_shot_where_built(net, monkeypatch)
+    replays = gpus.calls(200, world, on_shared=20, least=5)
+    assert expect_ok(run_ranks(world, _graph, net, replays, timeout=300)) == [replays] * world
+
+
+def _mismatch(store, rank, world, net):
+    import rocenante
+
+    comm = _comm(store, rank, world, net)
+    dev = gpus.device_of(rank)
+    out = torch.empty(world * 64, device=dev)
+    try:
+        if rank == 0:
+            comm.all_gather(torch.ones(64, device=dev), out=out)
+        else:
+            comm.all_reduce(torch.ones(world * 64, device=dev), out=out)
+        comm.synchronize()
+    except rocenante.CallMismatchError as err:
+        # Every element the call could not compute is poison: all of an all-reduce's; all of an all-gather's but
+        # this rank's own part, which it copied without any peer's data.
+        if rank == 0:
+            out[:64] = float("nan")
+        return str(err), bool(torch.isnan(out).all())
+    return "no error", False
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_different_collective_is_named_and_poisons(net, world):
+    results = expect_ok(run_ranks(world, _mismatch, net, timeout=300))
+    for rank, (message, poisoned) in enumerate(results):
+        assert "made a different call" in message or "called all_gather with" in message \
+            or "called all_reduce with" in message, f"rank {rank}: {message}"
+        assert poisoned, f"rank {rank}: the output of the mismatched call is not all poison"
