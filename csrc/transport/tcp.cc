@@ -101,7 +101,8 @@ constexpr std::chrono::microseconds kFlagFirstPause{500};
 // Between the quarters of an abort slot (rare: once per faulted peer), long enough for the waits' clock reads,
 // which poll the abort words, to meet the slot torn.
 constexpr std::chrono::milliseconds kAbortQuarterPause{2};
-// Messages gathered into one sendmsg() (two iovecs each: header and payload).
+// Messages gathered into one sendmsg() (two iovecs each: header and payload): a round's writes to a peer and its
+// signal go in one (its call word, its area, the signal), as ibverbs.cc posts them as one chained list.
 constexpr int kBatch = 16;
 
 // Published through the store; fixed size, no implicit padding: it travels as raw bytes.
@@ -293,8 +294,7 @@ class TcpWire final : public Wire {
     q.pending = true;
     if (q.out_status != 0) q.lost = true;
     if (bytes == 0 || q.out_status != 0) return;
-    q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, {0, 0}, 0});
-    push(q);
+    q.queue.push_back(Outgoing{Header{kWrite, 0, offset, bytes}, {0, 0}, 0});  // signal() hands it to the socket
   }
 
   void signal(uint32_t epoch) override {
@@ -473,7 +473,7 @@ class TcpWire final : public Wire {
     while (q.out_status == 0 && !q.queue.empty()) {
       iovec iov[2 * kBatch];
       int n = 0;
-      for (auto it = q.queue.begin(); it != q.queue.end() && n < 2 * kBatch; ++it) {
+      for (auto it = q.queue.begin(); it != q.queue.end() && n + 2 <= 2 * kBatch; ++it) {  // room for both iovecs
         const size_t sent = it->sent;
         if (sent < sizeof(Header))
           iov[n++] = {reinterpret_cast<char*>(&it->header) + sent, sizeof(Header) - sent};
