@@ -91,7 +91,8 @@ if [[ $what == breakdown ]]; then
   # into an untracked folder of the checkout), built side by side, then run in alternate processes (earlier,
   # this, this, earlier) and merged; the host loop's pieces from this tree's build with CPU tensors.
   earlier=${1:+$(cd "$1" && pwd)} label_earlier=${2:-earlier}
-  label=$(git rev-parse --short HEAD 2>/dev/null || echo "${ROCENANTE_GIT_REVISION:-this-tree}" | cut -c1-7)
+  label=${ROCENANTE_GIT_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo this-tree)}  # the device copy's git may be stale
+  label=${label:0:7}
   build_timeline() {  # SOURCE TARGET LOG
     python3 -m pip install --no-build-isolation --no-deps -q --target "$2" "$1" \
       -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" -Ccmake.define.ROCENANTE_TIMELINE=ON -Cbuild-dir="$2-build" \
