@@ -86,8 +86,14 @@ def threshold_bytes(device_type: str, world: int) -> int:
 # Where two-shot all-reduce takes over from one-shot (bytes), for ROCENANTE_ALGO=auto. CPU, shared memory, float32,
 # on a 2-core VM (benchmarks/results/cpu-collectives-{2,3,4}r.json): two-shot ahead from 256 KiB at worlds 2, 3
 # and 4 (at 64 KiB ahead at worlds 2 and 3 within the spread, behind at 4); worlds 5-8 NOT MEASURED, taken alike.
-# GPU and network paths: two-shot is not built there yet, so auto stays one-shot.
 TWOSHOT_FROM_CPU = 256 << 10
+# GPUs of one host (CUDA IPC): MODELLED, NOT MEASURED (timing two-shot needs a GPU per rank): rocenante.model's
+# crossover of one-shot and two-shot with a profile fitted to one-shot on 2 x H200 in CUDA graphs
+# (benchmarks/results/h200x2-bf16-eager-graph-99aaa0c.json, 1 KiB to 32 MiB: 2.72 us a step, 256 GB/s injected by
+# each rank, taken alike at every world, as behind a switch), rounded down to a multiple of 4 KiB. None at world 2,
+# where both inject the same bytes and two-shot pays two steps. tests/cpu/test_cpu_collectives.py recomputes them.
+TWOSHOT_FROM_GPU_MODELLED = {3: 1020 << 10, 4: 452 << 10, 5: 280 << 10, 6: 204 << 10, 7: 156 << 10, 8: 128 << 10}
+# The network path: two-shot is not built there yet, so auto stays one-shot.
 
 
 def algo() -> str:
@@ -106,9 +112,20 @@ def twoshot_from(device_type: str, world: int, net: str) -> int:
         return _C.layout.never
     if choice == "twoshot":
         return 0
-    if device_type != "cpu" or net != "shm":
+    if net != "shm":
         return _C.layout.never
-    return TWOSHOT_FROM_CPU
+    if device_type == "cpu":
+        return TWOSHOT_FROM_CPU
+    return TWOSHOT_FROM_GPU_MODELLED.get(world, _C.layout.never)
+
+
+def twoshot_basis(device_type: str, net: str) -> str:
+    """Where twoshot_from()'s size comes from, for the startup log: the setting, a measurement or the model."""
+    if algo() != "auto":
+        return f"ROCENANTE_ALGO={algo()}"
+    if net != "shm":
+        return "two-shot not built on the network path"
+    return "measured on CPUs" if device_type == "cpu" else "modelled, not measured"
 
 
 def on_fault() -> str:

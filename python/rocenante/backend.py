@@ -157,10 +157,11 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             self._status[device_type].update(collectives=list(started.comm.collectives),
                                              two_shot_from_bytes=started.comm.two_shot_from_bytes)
             if rank == 0:
-                logger.info("rocenante: %s: %s up to %d bytes; all-reduce two-shot %s", device_type,
+                logger.info("rocenante: %s: %s up to %d bytes; all-reduce two-shot %s (%s)", device_type,
                             ", ".join(started.comm.collectives), started.threshold_bytes,
                             "never" if started.comm.two_shot_from_bytes is None
-                            else f"from {started.comm.two_shot_from_bytes} bytes")
+                            else f"from {started.comm.two_shot_from_bytes} bytes",
+                            _env.twoshot_basis(device_type, started.comm.net))
         elif rank == 0:
             logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, started.why)
 

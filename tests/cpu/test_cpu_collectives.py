@@ -177,3 +177,27 @@ def test_world_1_and_a_scalar():
             comm.all_gather(torch.tensor(1.0))
         assert torch.equal(comm.all_gather(torch.arange(4.0)), torch.arange(4.0))
         assert torch.equal(comm.reduce_scatter(torch.arange(4.0), op="max"), torch.arange(4.0))
+
+
+def test_gpu_two_shot_sizes_are_the_models_crossovers():
+    """_env's modelled GPU sizes are what rocenante.model computes from the committed one-shot figures they cite,
+    rounded down to 4 KiB; CPU and network choices as documented."""
+    import json
+
+    from rocenante import _C, _env
+    from rocenante.model import allreduce
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "benchmarks", "results", "h200x2-bf16-eager-graph-99aaa0c.json")) as f:
+        rows = json.load(f)["rows"]
+    points = sorted((r["bytes"], r["median_us"] * 1e-6) for r in rows
+                    if r["arm"] == "rocenante" and r["mode"] == "graph" and r["bytes"] <= 32 << 20)
+    fit = allreduce.calibrate("h200x2", 2, points, "one-shot in CUDA graphs")
+    profile = allreduce.Profile("h200x2", 0.0, fit["bandwidth_GBps"] * 1e9, fit["overhead_us"] * 1e-6, "")
+    for world in range(2, 9):
+        size = allreduce.crossover(profile, world, allreduce.one_shot, allreduce.two_shot)
+        want = _C.layout.never if size is None else int(size) // 4096 * 4096
+        assert _env.twoshot_from("cuda", world, "shm") == want, (world, size)
+        assert _env.twoshot_from("cuda", world, "ib") == _C.layout.never
+        assert _env.twoshot_from("cpu", world, "shm") == _env.TWOSHOT_FROM_CPU
+    assert _env.twoshot_basis("cuda", "shm") == "modelled, not measured"

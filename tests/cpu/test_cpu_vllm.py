@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from multiproc import expect_ok, run_ranks
-from reference import make_input, sequential_fp32
+from reference import bits, make_input, random_bits, reduced, sequential_fp32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,8 +43,27 @@ def _router(store, rank, world, disable_on):
     assert torch.equal(router.all_reduce(strided), got.t())
     assert router.all_reduce(torch.ones(3, dtype=torch.float64)) is None  # dtype: vLLM's backends
     assert router.all_reduce(torch.ones(router.threshold_bytes // 4 + 1)) is None  # over the threshold: vLLM's backends
+    _gathers_and_scatters(router, rank, world)
     router.close()
     return router.why
+
+
+def _gathers_and_scatters(router, rank, world):
+    """vLLM's all_gather and reduce_scatter along a dim, bit for bit against concatenations of every rank's input
+    and the rank-order reduction; what the router does not serve comes back None (vLLM's own then)."""
+    shards = [random_bits(6, 0, r, 3 * 5 * 7, torch.float16).view(3, 5, 7) for r in range(world)]
+    for dim in (0, 1, -1):
+        got = router.all_gather(shards[rank].transpose(0, 2).contiguous().transpose(0, 2), dim)  # strided, same values
+        assert torch.equal(bits(got), bits(torch.cat(shards, dim=dim))), f"all_gather along {dim}"
+    inputs = [make_input(7, 0, r, 6 * world * 5, torch.bfloat16).view(6 * world, 5) for r in range(world)]
+    whole = reduced([x.flatten() for x in inputs], "sum").view(6 * world, 5)
+    assert torch.equal(bits(router.reduce_scatter(inputs[rank], 0)), bits(whole.chunk(world, 0)[rank]))
+    wide = [x.t() for x in inputs]  # along dim 1 (= -1) of a 2-D tensor, as vLLM's own moves it
+    assert torch.equal(bits(router.reduce_scatter(wide[rank], -1)), bits(whole.t().chunk(world, 1)[rank]))
+    assert router.reduce_scatter(torch.ones(2, world, 3), 1) is None  # 3-D along dim 1: vLLM's own
+    assert router.reduce_scatter(torch.ones(world + 1, 4), 0) is None  # does not split evenly
+    assert router.all_gather(torch.ones(3, dtype=torch.float64), 0) is None  # dtype
+    assert router.all_gather(torch.ones(router.threshold_bytes // 4 // world + 1), 0) is None  # gathered: too big
 
 
 def test_router_serves_eligible_all_reduces():

@@ -11,7 +11,7 @@ import torch
 import gpus
 from ddp import train
 from multiproc import expect_ok, run_ranks
-from reference import make_input, sequential_fp32
+from reference import bits, make_input, poison, random_bits, reduced, sequential_fp32
 
 WORLD = 2
 
@@ -147,3 +147,54 @@ def test_fallback_injected_on_one_rank_moves_every_rank_to_the_delegate():
     for st in expect_ok(run_ranks(WORLD, _injected, timeout=300)):
         assert not st["active"] and st["fallback"] == _delegate(), st
         assert "rank 1: ValueError: ROCENANTE_TIMEOUT_S='never'" in st["reason"], st
+
+
+def _gathers_and_scatters(store, rank, world):
+    """all_gather_into_tensor, reduce_scatter_tensor and a list all_gather of CUDA tensors through the kernel (one
+    launch each), bit for bit; one in a CUDA graph replayed with new inputs."""
+    import torch.distributed as dist
+
+    pg = _init(store, rank, world)
+    dev = gpus.device_of(rank)
+    x = torch.ones(1, device=dev)
+    dist.all_reduce(x)  # starts the CUDA path
+    calls = []
+    comm = pg._comms["cuda"]
+    original = comm._launch
+    comm._launch = lambda *a, **k: (calls.append(a[-1] if len(a) > 4 else k.get("collective")), original(*a, **k))[1]
+    n = 4099
+    shards = [random_bits(9, 0, r, n, torch.bfloat16) for r in range(world)]
+    out = poison(torch.empty(world * n, dtype=torch.bfloat16, device=dev))
+    dist.all_gather_into_tensor(out, shards[rank].to(dev))
+    assert torch.equal(bits(out.cpu()), bits(torch.cat(shards))), "all_gather_into_tensor"
+    parts = [poison(torch.empty(n, dtype=torch.bfloat16, device=dev)) for _ in range(world)]
+    dist.all_gather(parts, shards[rank].to(dev))
+    assert all(torch.equal(bits(p.cpu()), bits(s)) for p, s in zip(parts, shards)), "all_gather"
+    inputs = [make_input(9, 1, r, world * n, torch.float16) for r in range(world)]
+    mine = poison(torch.empty(n, dtype=torch.float16, device=dev))
+    dist.reduce_scatter_tensor(mine, inputs[rank].to(dev), op=dist.ReduceOp.MAX)
+    assert torch.equal(bits(mine.cpu()), bits(reduced(inputs, "max")[rank * n:(rank + 1) * n])), "reduce_scatter"
+    assert calls == ["all_gather", "all_gather", "reduce_scatter"], calls
+
+    x = torch.empty(world * n, dtype=torch.float16, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up off the capture
+        dist.reduce_scatter_tensor(mine, x)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.reduce_scatter_tensor(mine, x)
+    for i in range(3):
+        inputs = [make_input(10 + i, 0, r, world * n, torch.float16) for r in range(world)]
+        x.copy_(inputs[rank])
+        poison(mine)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(mine.cpu()), bits(reduced(inputs, "sum")[rank * n:(rank + 1) * n])), f"replay {i}"
+    dist.destroy_process_group()
+    return len(calls)
+
+
+def test_cuda_all_gather_and_reduce_scatter_through_the_backend():
+    assert expect_ok(run_ranks(WORLD, _gathers_and_scatters, timeout=300)) == [5, 5]

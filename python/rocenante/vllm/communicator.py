@@ -1,10 +1,10 @@
 """RocenanteCudaCommunicator: what vLLM builds for its groups once the plugin is registered (ROCENANTE_VLLM=1).
 
 A CudaCommunicator in every respect (vLLM's graph_capture() requires one, and enters its backends' capture
-contexts), with the tensor-parallel group's eligible all-reduces on rocenante. rocenante needs no capture
-context: its kernel reads the caller's tensor in place and keeps its call numbers on the GPU, so captured
-calls replay correctly on any tensor, and calls from the capture stream are ordered after earlier ones on
-other streams by rocenante itself. Imports vLLM: only loaded through the plugin.
+contexts), with the tensor-parallel group's eligible all-reduces, all-gathers and reduce-scatters on rocenante.
+rocenante needs no capture context: its kernel reads the caller's tensor in place and keeps its call numbers on
+the GPU, so captured calls replay correctly on any tensor, and calls from the capture stream are ordered after
+earlier ones on other streams by rocenante itself. Imports vLLM: only loaded through the plugin.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ class RocenanteCudaCommunicator(CudaCommunicator):
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         out = self.rocenante.all_reduce(input_)
         return out if out is not None else super().all_reduce(input_)
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        out = self.rocenante.all_gather(input_, dim)
+        return out if out is not None else super().all_gather(input_, dim)
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        out = self.rocenante.reduce_scatter(input_, dim)
+        return out if out is not None else super().reduce_scatter(input_, dim)
 
     def destroy(self) -> None:
         self.rocenante.close()

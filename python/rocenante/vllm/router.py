@@ -12,10 +12,10 @@ from rocenante.communicator import Communicator, serves
 
 
 class AllReduceRouter:
-    """Serves the sum all-reduces of a vLLM tensor-parallel group ("tp", as vLLM's own one-shot backends) that
-    rocenante.serves() accepts up to the threshold (ROCENANTE_THRESHOLD_BYTES, as the
-    torch.distributed backend's: beyond it NCCL is faster); returns None for the others, which the caller sends
-    to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed by every rank at start()."""
+    """Serves the sum all-reduces, all-gathers and sum reduce-scatters of a vLLM tensor-parallel group ("tp", as
+    vLLM's own one-shot backends) that rocenante.serves() accepts up to the threshold (ROCENANTE_THRESHOLD_BYTES,
+    as the torch.distributed backend's: beyond it NCCL is faster); returns None for the others, which the caller
+    sends to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed by every rank at start()."""
 
     def __init__(self, comm: Optional[Communicator], why: str, threshold_bytes: int = 0):
         self.comm = comm
@@ -39,17 +39,51 @@ class AllReduceRouter:
 
     def all_reduce(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The sum over the group's ranks, as a new tensor; None when rocenante does not serve this call. Only
-        what every rank shares (rocenante.serves: dtype, size, layout) decides; a tensor on another device than the communicator's is
-        refused by the communicator, which faults every rank naming it (never a different path on one rank)."""
+        what every rank shares (rocenante.serves: dtype, size, layout; the same for all_gather and reduce_scatter)
+        decides; a tensor on another device than the communicator's is refused by the communicator, which faults
+        every rank naming it (never a different path on one rank)."""
         comm = self.comm
-        if comm is None or not serves(x, "sum", self.threshold_bytes):
+        if comm is None or not self._serves(x, 1):
             return None
         return comm.all_reduce(x if x.is_contiguous() else x.contiguous())
 
+    def all_gather(self, x: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
+        """vLLM's all_gather: every rank's ``x`` concatenated along ``dim`` in rank order, as a new tensor; None
+        when rocenante does not serve it (the gathered bytes above the threshold, or what serves() refuses).
+        Along dim 0 directly; along another, gathered along dim 0 and moved there with one copy, as vLLM's own."""
+        comm = self.comm
+        if comm is None or x.dim() == 0 or not self._serves(x, comm.world_size):
+            return None
+        d = dim % x.dim()
+        gathered = comm.all_gather(x.contiguous())
+        if d == 0:
+            return gathered
+        shape = (*x.shape[:d], comm.world_size * x.shape[d], *x.shape[d + 1:])
+        return gathered.view(comm.world_size, *x.shape).movedim(0, d).reshape(shape)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
+        """vLLM's reduce_scatter: the sum over the group's ranks, of which this rank keeps its part along ``dim``,
+        as a new tensor; None when rocenante does not serve it (as all_gather, by the input's bytes; or a ``dim``
+        that does not split evenly). Served along dim 0, and along either dim of a 2-D tensor, where vLLM's own
+        (which moves dim 0 to ``dim``) and a scatter along ``dim`` agree; other layouts go to vLLM's own."""
+        comm = self.comm
+        if comm is None or x.dim() == 0 or not self._serves(x, 1):
+            return None
+        d = dim % x.dim()
+        if (d != 0 and x.dim() != 2) or x.shape[d] % comm.world_size != 0:
+            return None
+        if d == 0:
+            return comm.reduce_scatter(x.contiguous())
+        return comm.reduce_scatter(x.t().contiguous()).t().contiguous()
+
+    def _serves(self, x: torch.Tensor, copies: int) -> bool:
+        """serves() for a sum over ``copies`` times ``x``'s bytes (an all-gather's output), up to the threshold."""
+        return serves(x, "sum") and copies * x.numel() * x.element_size() <= self.threshold_bytes
+
     def describe(self) -> str:
         """What rocenante serves, for the log line."""
-        return (f"sum all-reduces of float32, float16, bfloat16 and int32 up to {self.threshold_bytes} bytes "
-                f"({self.why})")
+        return (f"sum all-reduces, all-gathers and sum reduce-scatters of float32, float16, bfloat16 and int32 up to "
+                f"{self.threshold_bytes} bytes ({self.why})")
 
     def close(self) -> None:
         if self.comm is not None:
