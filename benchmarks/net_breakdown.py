@@ -11,6 +11,8 @@ Each call is issued alone and waited for (all_reduce, then synchronize), bf16 su
 to its peer q, each between two timestamps of the timeline:
   staging   r's reducer began (kernel: CTA 0 started) -> r stored its doorbell (its data in pinned memory)
   doorbell  r's doorbell stored -> r's proxy posted the call's last send                     (reducer -> host clock)
+            = take (doorbell stored -> r's proxy saw it) + post (saw it -> posted: the wire's part), for builds
+            that record when the proxy saw it (later than e65b666)
   wire      posted -> q's proxy saw r's delivery whole: with the flag signal, its polling saw the flag (the
             reducer polls the same flag, so this is when the flag was visible, as near as a hot poll sees it);
             with the completion signal or before the flag signal, it stored the arrival word   (host clock)
@@ -42,10 +44,10 @@ import torch.distributed as dist
 from net_threads import WORLD, bf16_inputs, check, on_ranks
 
 # Event indices of csrc/timeline.h.
-K_START, K_RING, K_ARRIVED, K_END, P_RING, P_DELIVERED, P_ARRIVAL = range(7)
+K_START, K_RING, K_ARRIVED, K_END, P_RING, P_DELIVERED, P_ARRIVAL, P_TOOK = range(8)
 SLOTS = 4096
 IDLE_S = 0.1
-PIECES = ("staging", "doorbell", "wire", "arrival", "finish", "sum", "timed")
+PIECES = ("staging", "doorbell", "take", "post", "wire", "arrival", "finish", "sum", "timed")
 
 METHOD = {
     "script": "benchmarks/net_breakdown.py",
@@ -152,6 +154,9 @@ def pieces(results):
                        "wire": (b[P_ARRIVAL] - a[P_RING]) / 1e3,
                        "arrival": ((b[K_ARRIVED] - off_q) - b[P_ARRIVAL]) / 1e3,
                        "finish": (b[K_END] - b[K_ARRIVED]) / 1e3}
+                if len(a) > P_TOOK and a[P_TOOK]:  # an earlier build records no P_TOOK
+                    got["take"] = (a[P_TOOK] - (a[K_RING] - off_r)) / 1e3
+                    got["post"] = (a[P_RING] - a[P_TOOK]) / 1e3
                 got["sum"] = got["staging"] + got["doorbell"] + got["arrival"] + got["finish"]
                 for piece, value in got.items():
                     into(piece).append(value)
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
     with open(a.part, "w") as f:
         json.dump(part, f)
     for key in sorted(got):
-        if key.split("|")[2] in ("sum", "timed", "doorbell", "arrival"):
+        if key.split("|")[2] in ("sum", "timed", "doorbell", "take", "post", "arrival"):
             print(f"{a.label} {a.device} {key:>28}: median {statistics.median(got[key]):9.2f} us")
     return 0
 

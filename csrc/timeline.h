@@ -30,6 +30,8 @@ enum TimelineEvent : int {
   kProxyDelivered,  // ... and the wire reported them landed
   kProxyArrival,    // the proxy saw a peer's delivery of this call arrive (the last peer's): its flag, or with
                     // the completion signal the arrival word the proxy stored
+  kProxyTook,       // the proxy saw the doorbell, before posting: kProxyRing - kProxyTook is the wire's post
+                    // (last, so that the events before it keep the indices earlier builds gave them)
   kTimelineEvents
 };
 constexpr int kTimelineSlots = 4096;  // calls kept; call (epoch) e is in slot e % kTimelineSlots

@@ -129,6 +129,7 @@ class Proxy final : public Transport {
         std::lock_guard<std::mutex> lock(mutex_);
         const uint64_t ring = __atomic_load_n(&mailbox_->ring[buffer_of(send)], __ATOMIC_ACQUIRE);
         if (posted < kRoundsInFlight && uint32_t(ring) == send) {
+          note(timeline_, send, kProxyTook);
           rung = send;
           const int buffer = buffer_of(send);
           for (int p = 0; p < world; ++p) {
