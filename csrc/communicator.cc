@@ -437,12 +437,12 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
     a.bytes = a.count * esize;
     a.in = reinterpret_cast<const char*>(in) + first * esize;
     a.out = reinterpret_cast<char*>(out) + first * esize;
-    if (c == Collective::kAllReduce) {
-      a.shards = two_shot_shards(a.bytes, world_);
-      a.stride_bytes = a.shards.shard_bytes;
-    } else {
+    if (c != Collective::kAllReduce) {  // reduce-scatter, all-gather: the same n elements of every shard
       a.shards = even_shards(n * esize, world_);
       a.stride_bytes = count * esize;
+    } else if (!one_shot) {  // two-shot: this piece cut into shards
+      a.shards = two_shot_shards(a.bytes, world_);
+      a.stride_bytes = a.shards.shard_bytes;
     }
     a.signature = call_signature(a.count, dtype, c == Collective::kAllGather ? ReduceOp::kSum : op, c, a.algorithm);
     const uint64_t fault = issue(a, stream, epoch);
