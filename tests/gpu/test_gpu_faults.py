@@ -193,28 +193,43 @@ def test_calls_from_two_threads_execute_in_issue_order():
     assert expect_ok(run_ranks(WORLD, _two_threads, 100, timeout=300)) == [100, 100]
 
 
-def _graph_victim(store, rank, world, net, how, timeout_s):
-    """Both ranks replay a graph of 10 in-place all-reduces of fresh finite data; rank 1 is SIGKILLed, or
-    SIGSTOPped for 4 s, by a timer of its own. Every element of every replay must be exact or NaN, every replay
-    after the first NaN one all NaN, and synchronize() must then raise."""
+def _graph_victim(store, rank, world, net, how, timeout_s, collective):
+    """Both ranks replay a graph of 10 calls of `collective` ("two_shot": all-reduces, ROCENANTE_ALGO=twoshot) on
+    fresh finite data; rank 1 is SIGKILLed, or SIGSTOPped for 4 s, by a timer of its own. Every element of every
+    replay must be exact or NaN, every replay after the first NaN one all NaN (an all-gather's own part is copied
+    without a peer, and stays exact), and synchronize() must then raise."""
     import rocenante
 
     comm = _comm(store, rank, world, timeout_s=timeout_s)
     on_path(comm, net)
     dev = gpus.device_of(rank)
     n, calls = 4099, 10
-    xs = [torch.empty(n, device=dev) for _ in range(calls)]
+    ins = [torch.empty(world * n if collective == "reduce_scatter" else n, device=dev) for _ in range(calls)]
+    outs = [torch.empty(world * n if collective == "all_gather" else n, device=dev) for _ in range(calls)] \
+        if collective in ("all_gather", "reduce_scatter") else ins  # all-reduces in place
+    poisonable = torch.ones(outs[0].numel(), dtype=torch.bool, device=dev)
+    if collective == "all_gather":
+        poisonable[rank * n:(rank + 1) * n] = False
+
+    def issue():
+        for x, y in zip(ins, outs):
+            if collective == "all_gather":
+                comm.all_gather(x, out=y)
+            elif collective == "reduce_scatter":
+                comm.reduce_scatter(x, out=y)
+            else:
+                comm.all_reduce(x, out=y)
+
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        for x in xs:
+        for x in ins:
             x.fill_(1.0)
-            comm.all_reduce(x, out=x)
+        issue()
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x in xs:
-            comm.all_reduce(x, out=x)
+        issue()
     torch.cuda.synchronize()
     if rank == 1:
         end_this_process_later(how, after_s=1.0)
@@ -223,15 +238,17 @@ def _graph_victim(store, rank, world, net, how, timeout_s):
     i = 0
     while time.monotonic() < deadline:
         base = [float(r + 1 + i % 5) for r in range(world)]  # small integers: the sum is exact
-        for x in xs:
+        want = torch.cat([torch.full((n,), b, device=dev) for b in base]) if collective == "all_gather" \
+            else torch.full((n,), float(sum(base)), device=dev)
+        for x in ins:
             x.fill_(base[rank])
         graph.replay()
         torch.cuda.synchronize()
-        out = torch.stack(xs)
+        out = torch.stack(outs)
         nan = torch.isnan(out)
-        if not bool(((out == sum(base)) | nan).all()):
+        if not bool(((out == want) | nan).all()):
             raise AssertionError(f"replay {i}: an element is neither exact nor NaN")
-        if first_nan is not None and not bool(nan.all()):
+        if first_nan is not None and not bool(nan[:, poisonable].all()):
             raise AssertionError(f"replay {i}, after the first NaN replay {first_nan}, is not all NaN")
         if first_nan is None and bool(nan.any()):
             first_nan, detect_s = i, time.monotonic() - last_good_end
@@ -249,12 +266,27 @@ def _graph_victim(store, rank, world, net, how, timeout_s):
     raise AssertionError("synchronize() did not raise after poisoned replays")
 
 
+# The one-shot all-reduce, and the collectives that cut the tensor into shards.
+GRAPH_COLLECTIVES = ["all_reduce", "two_shot", "reduce_scatter", "all_gather"]
+
+
+def _graph_case(net, collective, monkeypatch) -> str:
+    """Sets up `collective`'s case (skipped where it is not built); the suffix of its figures' names."""
+    if collective == "two_shot":
+        if net:
+            pytest.skip("two-shot all-reduce is not built for the network path")
+        monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
+    return "" if collective == "all_reduce" else f"_{collective}"
+
+
 def _figure(net: str, name: str) -> str:
     return gpus.figure(f"gpu_net_{net}_{name}" if net else f"gpu_{name}", WORLD)
 
 
-def test_killed_peer_during_graph_replays_poisons_outputs_within_two_seconds(net):
-    results = run_ranks(WORLD, _graph_victim, net, "kill", 60.0, timeout=300)
+@pytest.mark.parametrize("collective", GRAPH_COLLECTIVES)
+def test_killed_peer_during_graph_replays_poisons_outputs_within_two_seconds(net, collective, monkeypatch):
+    suffix = _graph_case(net, collective, monkeypatch)
+    results = run_ranks(WORLD, _graph_victim, net, "kill", 60.0, collective, timeout=300)
     assert results[1] == ("died", -signal.SIGKILL), results[1]
     good, kind, message, detect_s = expect_ok(results[:1])[0]
     assert good > 0, "no replay completed before the kill"
@@ -263,16 +295,18 @@ def test_killed_peer_during_graph_replays_poisons_outputs_within_two_seconds(net
     # (the peer's connection closed while this rank waits for its data): either names rank 1.
     assert "rank 1's process ended" in message or (
         net and "network path to rank 1 failed: the connection closed" in message), message
-    record_figure(_figure(net, "killed_peer_detect_s"), detect_s)
+    record_figure(_figure(net, f"killed_peer_detect_s{suffix}"), detect_s)
     assert detect_s < 2.0, f"noticed after {detect_s:.2f} s (timeout 60 s)"
 
 
-def test_stopped_peer_during_graph_replays_poisons_outputs_on_both_ranks(net):
+@pytest.mark.parametrize("collective", GRAPH_COLLECTIVES)
+def test_stopped_peer_during_graph_replays_poisons_outputs_on_both_ranks(net, collective, monkeypatch):
+    suffix = _graph_case(net, collective, monkeypatch)
     (good0, kind0, message0, detect0), (good1, kind1, message1, detect1) = expect_ok(
-        run_ranks(WORLD, _graph_victim, net, "stop", 2.0, timeout=300))
+        run_ranks(WORLD, _graph_victim, net, "stop", 2.0, collective, timeout=300))
     assert good0 > 0 and good1 > 0
     assert kind0 == "PeerTimeoutError" and "waiting for rank(s) 1" in message0, message0
-    record_figure(_figure(net, "stopped_peer_detect_s_timeout_2s"), detect0)
+    record_figure(_figure(net, f"stopped_peer_detect_s_timeout_2s{suffix}"), detect0)
     assert detect0 < 2.0 + 1.5, f"rank 0 noticed after {detect0:.2f} s with a 2 s timeout"
     # Over the network, rank 1's own proxy thread stops with its process, so the kernels it had already launched
     # wait for data only that proxy could take in: they time out too, naming rank 0 (docs/guarantees.md, Known limits),
