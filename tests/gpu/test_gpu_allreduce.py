@@ -1,4 +1,6 @@
-"""The single-kernel one-shot all-reduce across the GPUs of one host, on both paths of a test that takes `net`:
+"""The single-kernel all-reduce across the GPUs of one host (ROCENANTE_ALGO=auto: one-shot, and directly, at
+worlds 3-8, two-shot from the modelled size; test_gpu_collectives forces two-shot), on both paths of a test that
+takes `net`:
 "" directly (CUDA IPC), "tcp" the network path over the loopback TCP software wire (the kernel stores into pinned
 host memory, the proxy thread carries each call over TCP, the receiving side places segments in random order,
 and the kernel reads a peer's data only after the peer's arrival word), held to one standard. Worlds 2 to 8 on
