@@ -125,7 +125,7 @@ def twoshot_basis(device_type: str, net: str) -> str:
         return f"ROCENANTE_ALGO={algo()}"
     if net != "shm":
         return "two-shot not built on the network path"
-    return "measured on CPUs" if device_type == "cpu" else "modelled, not measured"
+    return "measured on CPUs at worlds 2-4" if device_type == "cpu" else "modelled, not measured"
 
 
 def on_fault() -> str:
