@@ -236,8 +236,9 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
-  if (twoshot_from != kNever && net != Net::kShm)
-    ROCENANTE_THROW(InvalidArgument, "two-shot all-reduce is not built for the network path yet (set ROCENANTE_ALGO=oneshot)");
+  if (twoshot_from != kNever && net != Net::kShm && device_ >= 0)
+    ROCENANTE_THROW(InvalidArgument,
+                    "two-shot all-reduce of GPU tensors is not built for the network path yet (set ROCENANTE_ALGO=oneshot)");
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
@@ -423,8 +424,11 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
   // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A one-shot piece is
   // a multiple of 512 bytes, so every piece keeps the caller's alignment; a sharded call's pieces take the same
   // part of every shard (of a two-shot call: consecutive parts of the tensor).
-  const Format format = format_of(c, dtype);
   const bool one_shot = c == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot;
+  // Over the network a two-shot piece goes as two calls of the protocol (layout.h, Shards): a reduce-scatter that
+  // reduces our shard into its place in the output, then an all-gather of that shard, whose lines size the slots.
+  const bool halves = c == Collective::kAllReduce && !one_shot && network_ != 0;
+  const Format format = halves ? Format::kLines : format_of(c, dtype);
   const size_t slot = max_slot_chunks(layout_.capacity_bytes, world_, format) * kChunkBytes / esize;  // elements
   const size_t piece = one_shot ? piece_bytes(layout_.capacity_bytes, dtype) / esize
                        : c == Collective::kAllReduce ? slot * world_
@@ -445,7 +449,20 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
       a.stride_bytes = a.shards.shard_bytes;
     }
     a.signature = call_signature(a.count, dtype, c == Collective::kAllGather ? ReduceOp::kSum : op, c, a.algorithm);
-    const uint64_t fault = issue(a, stream, epoch);
+    uint64_t fault = 0;
+    if (halves) {  // both halves carry the two-shot signature: a peer making another call differs at the first
+      char* const ours = static_cast<char*>(a.out) + size_t(rank_) * a.stride_bytes;
+      AllReduceArgs half = a;
+      half.collective = Collective::kReduceScatter;
+      half.out = ours;
+      fault = issue(half, stream, epoch);
+      half = a;
+      half.collective = Collective::kAllGather;
+      half.in = ours;
+      if (fault == 0) fault = issue(half, stream, epoch);
+    } else {
+      fault = issue(a, stream, epoch);
+    }
     if (fault == 0) continue;
     // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one
     // (a sharded call: its whole output).

@@ -345,7 +345,7 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call) {
   if (!sharded(a)) {
     send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
   } else if (a.collective == Collective::kAllGather) {
-    send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.shard_bytes, a.rank * sh.slot_chunks, call);
+    send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
   } else {  // two-shot's first exchange, a reduce-scatter
     for (int p = 0; p < a.world; ++p) {
       if (!(a.stores & (1u << p))) continue;
@@ -452,7 +452,7 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
   const int r = a.rank;
   char* const out = static_cast<char*>(a.out);
   if (a.collective == Collective::kAllGather) {
-    std::memmove(out + r * a.stride_bytes, a.in, sh.shard_bytes);  // every bit as given (in place: the same bytes)
+    std::memmove(out + r * a.stride_bytes, a.in, sh.bytes_of(r));  // every bit as given (in place: the same bytes)
   } else {  // our shard, reduced: a reduce-scatter's output, or sent on to every peer (two-shot)
     const bool two_shot = a.collective == Collective::kAllReduce;
     const Destinations forward(a, buffer, two_shot ? a.stores : 0);
@@ -517,7 +517,7 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, 
     if (!sharded(a)) {
       poison_host(static_cast<char*>(a.out) + done, a.bytes - done, a.dtype);
     } else if (a.collective == Collective::kReduceScatter) {
-      poison_host(a.out, a.shards.shard_bytes, a.dtype);
+      poison_host(a.out, a.shards.bytes_of(a.rank), a.dtype);
     } else {
       for (int s = 0; s < a.world; ++s)
         poison_host(static_cast<char*>(a.out) + s * a.stride_bytes, a.shards.bytes_of(s), a.dtype);

@@ -203,6 +203,10 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 //     with the same arithmetic as one-shot, so the bits equal one-shot's and every rank's.
 //   reduce-scatter: the first exchange of two-shot, each rank's output its own reduced shard.
 //   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
+// Over a network wire a delivery carries one call, so there two-shot goes as two calls per piece (CPU tensors
+// only, so far): a reduce-scatter that leaves each rank's reduced shard in its place in the output, then an
+// all-gather of that shard (lines: the piece's slots are sized for them). Both carry the two-shot signature, so a
+// peer that makes another call differs at the first, and the second is never mistaken for a call of its own.
 enum class Collective : uint32_t { kAllReduce = 0, kFusedAllReduce = 1, kAllGather = 2, kReduceScatter = 3 };
 enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 

@@ -69,10 +69,10 @@ def test_all_gather_and_reduce_scatter_match_references_bit_for_bit(net, world):
     assert all(r == results[0] for r in results[1:]), "ranks gathered different bits"
 
 
-def _two_shot(store, rank, world, seed):
+def _two_shot(store, rank, world, seed, net):
     digests = []
     case = 0
-    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60) as comm:
+    with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net) as comm:
         assert comm.two_shot(1) and comm.two_shot(1 << 30)
         for dtype in DTYPES:
             esize = torch.empty((), dtype=dtype).element_size()
@@ -95,10 +95,11 @@ def _two_shot(store, rank, world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_two_shot_returns_the_bits_of_one_shot_on_every_rank(world, monkeypatch):
-    # The reference is one-shot's (rank order, fp32 accumulation): equal bits, whatever exchange moved them.
+def test_two_shot_returns_the_bits_of_one_shot_on_every_rank(net, world, monkeypatch):
+    # The reference is one-shot's (rank order, fp32 accumulation): equal bits, whatever exchange moved them. Over
+    # the network each piece goes as a reduce-scatter and an all-gather (csrc/layout.h).
     monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
-    results = expect_ok(run_ranks(world, _two_shot, 5000 + world, timeout=240))
+    results = expect_ok(run_ranks(world, _two_shot, 5000 + world, net, timeout=240))
     assert all(r == results[0] for r in results[1:]), "ranks produced different bits"
 
 

@@ -115,13 +115,12 @@ def _victim_loop(store, rank, world, net, how, timeout_s, collective):
     raise AssertionError("the loop never faulted")
 
 
-# One-shot all-reduces at worlds 2 and 3; the sharded collectives at world 3 (two-shot: not over the network).
+# One-shot all-reduces at worlds 2 and 3; the sharded collectives at world 3.
 VICTIM_CASES = [(2, "all_reduce"), (3, "all_reduce"), (3, "two_shot"), (3, "reduce_scatter"), (3, "all_gather")]
 
 
-def _victim_case(net, world, collective):
-    if net and collective == "two_shot":
-        pytest.skip("two-shot all-reduce is not built for the network path")
+def _victim_case(collective):
+    """The suffix of the case's figures' names."""
     return "" if collective == "all_reduce" else f"_{collective}"
 
 
@@ -131,7 +130,7 @@ def _figure(net: str, name: str) -> str:
 
 @pytest.mark.parametrize("world, collective", VICTIM_CASES)
 def test_killed_peer_is_noticed_within_two_seconds_whatever_the_timeout(net, world, collective):
-    suffix = _victim_case(net, world, collective)
+    suffix = _victim_case(collective)
     results = run_ranks(world, _victim_loop, net, "kill", 60.0, collective, timeout=120)
     assert results[-1] == ("died", -signal.SIGKILL), results[-1]
     for rank, (outcomes, kind, message, elapsed) in enumerate(expect_ok(results[:-1])):
@@ -151,7 +150,7 @@ def _names_among_waited_for(message: str, rank: int) -> bool:
 
 @pytest.mark.parametrize("world, collective", VICTIM_CASES)
 def test_stopped_peer_times_out_and_learns_of_it_when_continued(net, world, collective):
-    suffix = _victim_case(net, world, collective)
+    suffix = _victim_case(collective)
     results = expect_ok(run_ranks(world, _victim_loop, net, "stop", 2.0, collective, timeout=120))
     for rank, (outcomes, kind, message, elapsed) in enumerate(results[:-1]):
         assert outcomes, f"rank {rank} never completed a call before the stop"

@@ -274,7 +274,7 @@ def _graph_case(net, collective, monkeypatch) -> str:
     """Sets up `collective`'s case (skipped where it is not built); the suffix of its figures' names."""
     if collective == "two_shot":
         if net:
-            pytest.skip("two-shot all-reduce is not built for the network path")
+            pytest.skip("two-shot all-reduce of GPU tensors is not built for the network path")
         monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
     return "" if collective == "all_reduce" else f"_{collective}"
 

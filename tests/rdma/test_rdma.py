@@ -100,6 +100,31 @@ def test_all_gather_and_reduce_scatter_match_references_bit_for_bit(world):
     assert cases == [cases[0]] * world and cases[0] == 2 * 4 + 2 * 15, cases
 
 
+def _two_shot(store, rank, world, seed):
+    """Two-shot all-reduces (ROCENANTE_ALGO=twoshot: over RDMA, a reduce-scatter and an all-gather per piece) of
+    every dtype and op, at a size within one piece and one across pieces: one-shot's bits on every rank."""
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
+    assert comm.two_shot(1)
+    rng = random.Random(seed)
+    case = 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for numel in (rng.randint(1, 40), rng.randint(CAPACITY // dtype.itemsize, 2 * CAPACITY // dtype.itemsize)):
+                case += 1
+                inputs = [make_input(seed, case, r, numel, dtype) for r in range(world)]
+                out = comm.all_reduce(inputs[rank], op=op, out=poison(torch.empty(numel, dtype=dtype)))
+                assert torch.equal(bits(out), bits(reduced(inputs, op))), f"two-shot {dtype} {op} {numel}"
+    comm.close()
+    return case
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_shot_returns_one_shot_bits(world, monkeypatch):
+    monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
+    cases = expect_ok(run(world, _two_shot, 3000 + world))
+    assert cases == [2 * 15] * world, cases
+
+
 def _victim(store, rank, world, how, timeout_s):
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=timeout_s)
     all_arrived(store, world, "victim")
