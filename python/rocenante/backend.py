@@ -3,11 +3,11 @@
     dist.init_process_group(backend="rocenante")
 
 The process group runs eligible all-reduces (contiguous or not, supported dtype and op, at most the threshold),
-and where the communicator serves them (CPU tensors today) all_gather_into_tensor, reduce_scatter_tensor and
-all_gather of equal-size tensors, through a rocenante Communicator and delegates everything else to a gloo group
-(CPU tensors) or an NCCL group (CUDA tensors) built on the same store. Collectives it does not override reach those
-groups directly, as the backends registered for their device. Eligibility depends only on what every rank shares
-(dtype, size, op, configuration), so ranks never take different paths.
+and all_gather_into_tensor, reduce_scatter_tensor and all_gather of equal-size tensors (CPU and CUDA), through a
+rocenante Communicator and delegates everything else to a gloo group (CPU tensors) or an NCCL group (CUDA tensors)
+built on the same store. Collectives it does not override reach those groups directly, as the backends registered
+for their device. Eligibility depends only on what every rank shares (dtype, size, op, configuration), so ranks
+never take different paths.
 
 At creation each device type runs a startup self-test: every rank checks its configuration, then the group
 builds a Communicator and all-reduces known data; the verdict is agreed through the store, so either every
