@@ -236,9 +236,6 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
-  if (twoshot_from != kNever && net != Net::kShm && device_ >= 0)
-    ROCENANTE_THROW(InvalidArgument,
-                    "two-shot all-reduce of GPU tensors is not built for the network path yet (set ROCENANTE_ALGO=oneshot)");
   if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();

@@ -432,12 +432,12 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
     if constexpr (kGather) {
       for (size_t j = first; j < sh.chunks_of(r); j += stride) {
         uint32_t w[4];
-        load_words(in, j * kChunkBytes, sh.shard_bytes, a.dtype, w);
+        load_words(in, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
 #pragma unroll
         for (int p = 0; p < W; ++p)
           if (p < a.world && (a.stores & (1u << p)))
             send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), r * slot + j, w, call);
-        store_words(out + r * a.stride_bytes, j * kChunkBytes, sh.shard_bytes, a.dtype, w);
+        store_words(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
       }
     } else {
       for (size_t v = first; v < slots; v += stride) {
@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
       const int t = int(v / slot);
       const size_t j = v % slot;
       if (j >= sh.chunks_of(t) || t == r) {
-        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.shard_bytes, a.dtype);
+        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
         continue;
       }
       if (!failed) {

@@ -93,8 +93,12 @@ TWOSHOT_FROM_CPU = 256 << 10
 # each rank, taken alike at every world, as behind a switch), rounded down to a multiple of 4 KiB. None at world 2,
 # where both inject the same bytes and two-shot pays two steps. tests/cpu/test_cpu_collectives.py recomputes them.
 TWOSHOT_FROM_GPU_MODELLED = {3: 1020 << 10, 4: 452 << 10, 5: 280 << 10, 6: 204 << 10, 7: 156 << 10, 8: 128 << 10}
-# The network path: auto stays one-shot (no crossover measured or modelled for it); ROCENANTE_ALGO=twoshot runs it
-# for CPU tensors (a reduce-scatter and an all-gather a piece, csrc/layout.h); for GPU tensors it is not built.
+# DGX Sparks over RoCE (GPU tensors on the ib path): MODELLED, NOT MEASURED (no machine here has a GPU and an RDMA
+# NIC): the same crossover with rocenante.model's dgx-spark-roce profile (fitted to the real RoCEnante's one-shot on
+# 4 Sparks and ib_write_lat), rounded down to 4 KiB; recomputed by the same test. Over the network two-shot goes as
+# two calls of the protocol a piece (csrc/layout.h), which the model does not charge. CPU tensors over the network
+# and the TCP test wire stay one-shot under auto (neither is modelled); ROCENANTE_ALGO=twoshot runs them.
+TWOSHOT_FROM_ROCE_MODELLED = {3: 380 << 10, 4: 168 << 10, 5: 104 << 10, 6: 76 << 10, 7: 56 << 10, 8: 48 << 10}
 
 
 def algo() -> str:
@@ -106,27 +110,23 @@ def algo() -> str:
     return raw
 
 
-def twoshot_from(device_type: str, world: int, net: str) -> int:
-    """The size (bytes) from which all-reduces go two-shot (ROCENANTE_ALGO; _C.layout.never: none)."""
+def twoshot_from(device_type: str, world: int, net: str) -> tuple[int, str]:
+    """The size (bytes) from which all-reduces go two-shot (ROCENANTE_ALGO; _C.layout.never: none), and where it
+    comes from, for the startup log: the setting, a measurement or the model."""
     choice = algo()
     if choice == "oneshot" or world == 1:
-        return _C.layout.never
+        return _C.layout.never, f"ROCENANTE_ALGO={choice}" if choice == "oneshot" else "one rank"
     if choice == "twoshot":
-        return 0
-    if net != "shm":
-        return _C.layout.never
+        return 0, "ROCENANTE_ALGO=twoshot"
     if device_type == "cpu":
-        return TWOSHOT_FROM_CPU
-    return TWOSHOT_FROM_GPU_MODELLED.get(world, _C.layout.never)
-
-
-def twoshot_basis(device_type: str, net: str) -> str:
-    """Where twoshot_from()'s size comes from, for the startup log: the setting, a measurement or the model."""
-    if algo() != "auto":
-        return f"ROCENANTE_ALGO={algo()}"
-    if net != "shm":
-        return "the network path: one-shot unless ROCENANTE_ALGO=twoshot"
-    return "measured on CPUs at worlds 2-4" if device_type == "cpu" else "modelled, not measured"
+        if net == "shm":
+            return TWOSHOT_FROM_CPU, "measured on CPUs at worlds 2-4"
+        return _C.layout.never, "CPU tensors over the network: one-shot unless ROCENANTE_ALGO=twoshot"
+    if net == "shm":
+        return TWOSHOT_FROM_GPU_MODELLED.get(world, _C.layout.never), "modelled for GPUs of one host, not measured"
+    if net == "ib":
+        return TWOSHOT_FROM_ROCE_MODELLED.get(world, _C.layout.never), "modelled for DGX Sparks over RoCE, not measured"
+    return _C.layout.never, "the TCP test wire: one-shot unless ROCENANTE_ALGO=twoshot"
 
 
 def on_fault() -> str:

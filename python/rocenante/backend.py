@@ -161,7 +161,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
                             ", ".join(started.comm.collectives), started.threshold_bytes,
                             "never" if started.comm.two_shot_from_bytes is None
                             else f"from {started.comm.two_shot_from_bytes} bytes",
-                            _env.twoshot_basis(device_type, started.comm.net))
+                            started.comm.two_shot_basis)
         elif rank == 0:
             logger.warning("rocenante: %s all-reduces fall back to %s: %s", device_type, fallback, started.why)
 

@@ -189,7 +189,7 @@ class Communicator:
                 qos = _env.ib_qos()
                 paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
             signal = getattr(_C.Signal, _env.ib_signal())
-            twoshot_from = _env.twoshot_from(self.device.type, world_size, self.net)
+            twoshot_from, self.two_shot_basis = _env.twoshot_from(self.device.type, world_size, self.net)
             self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault,
                                       getattr(_C.Net, self.net), paths, _env.test_first_call(), _env.proxy_spin_s(),
                                       signal, twoshot_from)
@@ -308,7 +308,8 @@ class Communicator:
 
     @property
     def two_shot_from_bytes(self) -> Optional[int]:
-        """The size from which :meth:`all_reduce` goes two-shot (None: never), as every rank agreed at startup."""
+        """The size from which :meth:`all_reduce` goes two-shot (None: never), as every rank agreed at startup;
+        ``two_shot_basis`` says where it comes from (the setting, a measurement or the model)."""
         return None if self._c.twoshot_from == _C.layout.never else self._c.twoshot_from
 
     def two_shot(self, nbytes: int) -> bool:

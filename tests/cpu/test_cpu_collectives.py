@@ -181,8 +181,8 @@ def test_world_1_and_a_scalar():
 
 
 def test_gpu_two_shot_sizes_are_the_models_crossovers():
-    """_env's modelled GPU sizes are what rocenante.model computes from the committed one-shot figures they cite,
-    rounded down to 4 KiB; CPU and network choices as documented."""
+    """_env's modelled GPU sizes are what rocenante.model computes, rounded down to 4 KiB: GPUs of one host from the
+    committed one-shot figures they cite, DGX Sparks over RoCE from the model's own profile; the rest as documented."""
     import json
 
     from rocenante import _C, _env
@@ -194,11 +194,18 @@ def test_gpu_two_shot_sizes_are_the_models_crossovers():
     points = sorted((r["bytes"], r["median_us"] * 1e-6) for r in rows
                     if r["arm"] == "rocenante" and r["mode"] == "graph" and r["bytes"] <= 32 << 20)
     fit = allreduce.calibrate("h200x2", 2, points, "one-shot in CUDA graphs")
-    profile = allreduce.Profile("h200x2", 0.0, fit["bandwidth_GBps"] * 1e9, fit["overhead_us"] * 1e-6, "")
-    for world in range(2, 9):
+    one_host = allreduce.Profile("h200x2", 0.0, fit["bandwidth_GBps"] * 1e9, fit["overhead_us"] * 1e-6, "")
+    roce = allreduce.PROFILES["dgx-spark-roce"]
+
+    def modelled(profile, world):
         size = allreduce.crossover(profile, world, allreduce.one_shot, allreduce.two_shot)
-        want = _C.layout.never if size is None else int(size) // 4096 * 4096
-        assert _env.twoshot_from("cuda", world, "shm") == want, (world, size)
-        assert _env.twoshot_from("cuda", world, "ib") == _C.layout.never
-        assert _env.twoshot_from("cpu", world, "shm") == _env.TWOSHOT_FROM_CPU
-    assert _env.twoshot_basis("cuda", "shm") == "modelled, not measured"
+        return _C.layout.never if size is None else int(size) // 4096 * 4096
+
+    for world in range(2, 9):
+        assert _env.twoshot_from("cuda", world, "shm")[0] == modelled(one_host, world), world
+        assert _env.twoshot_from("cuda", world, "ib")[0] == modelled(roce, world), world
+        assert _env.twoshot_from("cuda", world, "tcp")[0] == _C.layout.never
+        assert _env.twoshot_from("cpu", world, "shm")[0] == _env.TWOSHOT_FROM_CPU
+        assert _env.twoshot_from("cpu", world, "ib")[0] == _C.layout.never
+    assert "modelled" in _env.twoshot_from("cuda", 4, "shm")[1]
+    assert "modelled for DGX Sparks" in _env.twoshot_from("cuda", 4, "ib")[1]

@@ -1,7 +1,7 @@
 """All-gather, reduce-scatter and two-shot all-reduce on GPUs (sharded_kernel, csrc/device/oneshot_allreduce.cu):
 every dtype and op at slot and piece edges, bit for bit against references every rank computes, in CUDA graphs,
-with a mismatched collective; directly (CUDA IPC) and, for all-gather and reduce-scatter, over the TCP wire (two-shot
-is not built for the network path). Worlds 2 to 8 on whatever GPUs there are (tests/support/gpus.py)."""
+with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece goes as two launches,
+a reduce-scatter and an all-gather). Worlds 2 to 8 on whatever GPUs there are (tests/support/gpus.py)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,9 @@ def _comm(store, rank, world, net):
                                           timeout_s=60), net)
 
 
-def _two_shot_where_built(net, monkeypatch):
-    """Every all-reduce two-shot, on the path that has it (the direct one)."""
-    if not net:
-        monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
+def _two_shot(monkeypatch):
+    """Every all-reduce two-shot."""
+    monkeypatch.setenv("ROCENANTE_ALGO", "twoshot")
 
 
 def _sizes(seed, dtype, world) -> list[int]:
@@ -42,7 +41,7 @@ def _sizes(seed, dtype, world) -> list[int]:
 
 def _every_collective(store, rank, world, seed, net):
     comm = _comm(store, rank, world, net)
-    two_shot = comm.two_shot(1)
+    assert comm.two_shot(1), "ROCENANTE_ALGO=twoshot did not take"
     dev = gpus.device_of(rank)
     case, checked = 0, 0
     for dtype in DTYPES:
@@ -66,11 +65,10 @@ def _every_collective(store, rank, world, seed, net):
                 got = comm.reduce_scatter(x, op=op, out=x[part] if case % 4 == 0 else None)
                 if not torch.equal(bits(got.cpu()), bits(reduced(inputs, op)[part])):
                     raise AssertionError(f"reduce_scatter {dtype} {op} n={numel}")
-                if two_shot:
-                    x = inputs[rank].to(dev)
-                    got = comm.all_reduce(x, op=op, out=x if case % 5 == 0 else None)
-                    if not torch.equal(bits(got.cpu()), bits(reduced(inputs, op))):
-                        raise AssertionError(f"two-shot all_reduce {dtype} {op} n={world * numel}")
+                x = inputs[rank].to(dev)
+                got = comm.all_reduce(x, op=op, out=x if case % 5 == 0 else None)
+                if not torch.equal(bits(got.cpu()), bits(reduced(inputs, op))):
+                    raise AssertionError(f"two-shot all_reduce {dtype} {op} n={world * numel}")
                 checked += 1
     comm.synchronize()
     comm.close()
@@ -79,14 +77,14 @@ def _every_collective(store, rank, world, seed, net):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_collective_dtype_and_op_bit_for_bit(net, world, monkeypatch):
-    _two_shot_where_built(net, monkeypatch)
+    _two_shot(monkeypatch)
     results = expect_ok(run_ranks(world, _every_collective, 6000 + world, net, timeout=600))
     assert results == [results[0]] * world and results[0] > 0, results
 
 
 def _graph(store, rank, world, net, replays):
     comm = _comm(store, rank, world, net)
-    two_shot = comm.two_shot(1)
+    assert comm.two_shot(1), "ROCENANTE_ALGO=twoshot did not take"
     dev = gpus.device_of(rank)
     n = 4099  # per rank: a tail that is not a whole chunk
     x = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
@@ -96,8 +94,7 @@ def _graph(store, rank, world, net, replays):
     def calls():
         comm.all_gather(shard, out=gathered)
         comm.reduce_scatter(x, out=scattered)
-        if two_shot:
-            comm.all_reduce(x, out=summed)
+        comm.all_reduce(x, out=summed)
 
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
@@ -119,7 +116,7 @@ def _graph(store, rank, world, net, replays):
         want = reduced(inputs, "sum")
         if not torch.equal(bits(gathered.cpu()), bits(torch.cat(shards))) \
                 or not torch.equal(bits(scattered.cpu()), bits(want[rank * n:(rank + 1) * n])) \
-                or (two_shot and not torch.equal(bits(summed.cpu()), bits(want))):
+                or not torch.equal(bits(summed.cpu()), bits(want)):
             raise AssertionError(f"replay {i} gave a wrong result")
     comm.synchronize()
     comm.close()
@@ -128,7 +125,7 @@ def _graph(store, rank, world, net, replays):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_graph_replays_with_new_inputs(net, world, monkeypatch):
-    _two_shot_where_built(net, monkeypatch)
+    _two_shot(monkeypatch)
     replays = gpus.calls(200, world, on_shared=20, least=5)
     assert expect_ok(run_ranks(world, _graph, net, replays, timeout=300)) == [replays] * world
 
