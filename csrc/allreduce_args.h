@@ -65,6 +65,8 @@ ROCENANTE_HD bool sharded(const AllReduceArgs& a) {
          a.algorithm == Algorithm::kTwoShot;
 }
 ROCENANTE_HD Format format_of(const AllReduceArgs& a) { return format_of(a.collective, a.dtype); }
+// Every rank of the call but this one (bit p: rank p).
+ROCENANTE_HD uint32_t peers_of(const AllReduceArgs& a) { return ((1u << a.world) - 1) & ~(1u << a.rank); }
 // What the call writes into each area of its buffer (layout.h, footprint_ranges()).
 ROCENANTE_HD uint32_t footprint_of(const AllReduceArgs& a) {
   return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));

@@ -108,11 +108,12 @@ inline void store_block(void* base, size_t bytes, size_t c0, size_t n, const Wor
 // core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
-  Backoff(const AllReduceArgs& a, int source, InterruptCheck interrupted)
-      : a_(a), source_(source), interrupted_(interrupted), start_(Clock::now()),
+  Backoff(const AllReduceArgs& a, InterruptCheck interrupted)
+      : a_(a), interrupted_(interrupted), start_(Clock::now()),
         deadline_(start_ + std::chrono::nanoseconds(a.timeout_ns)) {}
-  // 0 to keep waiting, or the fault that ends the wait (kPeerTimeout's detail is left for the caller).
-  uint64_t pause() {
+  // 0 to keep waiting for the peers in `pending`, or the fault that ends the wait (kPeerTimeout's detail is left
+  // for the caller).
+  uint64_t pause(uint32_t pending) {
     if (spinning_) {
       cpu_relax();
       if (++spins_ % kSpinsPerClockRead != 0 || Clock::now() < start_ + spin_) return 0;
@@ -126,7 +127,7 @@ class Backoff {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
     }
     const auto acquire = [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); };
-    if (const uint64_t f = abort_seen(a_, 1u << source_, acquire)) return f;
+    if (const uint64_t f = abort_seen(a_, pending, acquire)) return f;
     const Clock::time_point now = Clock::now();
     if (interrupted_ != nullptr && now >= next_signal_check_) {
       next_signal_check_ = now + std::chrono::milliseconds(10);
@@ -144,7 +145,6 @@ class Backoff {
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
   static thread_local std::chrono::nanoseconds spin_;
   const AllReduceArgs& a_;
-  int source_;  // the peer waited for
   InterruptCheck interrupted_;
   Clock::time_point start_, deadline_;
   Clock::time_point next_signal_check_{};
@@ -155,19 +155,24 @@ class Backoff {
 };
 thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 
-// Waits until `arrived()` for `source`: 0, or the fault that ended the wait (a timeout names `source`).
+// Waits for the peers in `pending` (bit p: peer p), until `arrived(pending)`, which clears the bits of those
+// that arrived, has cleared them all: 0, or the fault that ended the wait (a timeout names the peers still
+// pending). The set, not one peer at a time: a peer whose process ended fails a wait while it is in the set, so a
+// wait that also needs a late but live peer still fails at once (the kernel's receive() likewise).
 template <class Arrived>
-uint64_t wait_for(const AllReduceArgs& a, int source, InterruptCheck interrupted, Arrived arrived) {
-  if (arrived()) return 0;  // the common case: no clock read
-  Backoff backoff(a, source, interrupted);
+uint64_t wait_for(const AllReduceArgs& a, uint32_t pending, InterruptCheck interrupted, Arrived arrived) {
+  arrived(pending);
+  if (pending == 0) return 0;  // the common case: no clock read
+  Backoff backoff(a, interrupted);
   // A fault ends the wait only after one more look: a peer whose call differs writes its call word before it
   // aborts, and this rank should name that call rather than relay the peer's abort.
-  for (uint64_t fault = 0;; fault = backoff.pause()) {
-    if (arrived()) {
+  for (uint64_t fault = 0;; fault = backoff.pause(pending)) {
+    arrived(pending);
+    if (pending == 0) {
       backoff.arrived();
       return 0;
     }
-    if (fault_kind(fault) == Fault::kPeerTimeout) return encode_fault(Fault::kPeerTimeout, 1u << source, 0);
+    if (fault_kind(fault) == Fault::kPeerTimeout) return encode_fault(Fault::kPeerTimeout, pending, 0);
     if (fault != 0) return fault;
   }
 }
@@ -358,13 +363,19 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call) {
   }
 }
 
-// Waits until chunks [at, at + chunks) of `from` (a peer's area in our region) have all arrived; 0 or the fault.
+// Waits until chunks [at, at + chunks) of the area of every peer in `from` (bit s: areas[s], peer s's area in our
+// region) have all arrived; 0 or the fault.
 template <Format F>
-uint64_t wait_chunks(const AllReduceArgs& a, const uint32_t* from, int source, size_t at, size_t chunks, uint32_t call,
-                     InterruptCheck interrupted) {
-  size_t next = at;
+uint64_t wait_chunks(const AllReduceArgs& a, const uint32_t* const* areas, uint32_t from, size_t at, size_t chunks,
+                     uint32_t call, InterruptCheck interrupted) {
+  size_t next[kMaxRanks];  // per peer, the first chunk not yet seen whole
+  std::fill(next, next + kMaxRanks, at);
   const size_t end = at + chunks;
-  return wait_for(a, source, interrupted, [&] { return (next = arrived_until<F>(from, next, end, call)) == end; });
+  return wait_for(a, from, interrupted, [&](uint32_t& pending) {
+    for (int s = 0; s < a.world; ++s)
+      if ((pending & (1u << s)) && (next[s] = arrived_until<F>(areas[s], next[s], end, call)) == end)
+        pending &= ~(1u << s);
+  });
 }
 
 // Reduces `bytes` bytes in rank order: ours at `in`, each peer's as chunks [at, ...) of its area (`areas[s]`,
@@ -378,9 +389,7 @@ uint64_t reduce(const AllReduceArgs& a, const uint32_t* const* areas, size_t at,
   const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
   for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const size_t n = std::min(kBlockChunks, chunks - c0);
-    for (int s = 0; s < a.world; ++s)
-      if (s != a.rank)
-        if (const uint64_t fault = wait_chunks<F>(a, areas[s], s, at + c0, n, call, interrupted)) return fault;
+    if (const uint64_t fault = wait_chunks<F>(a, areas, peers_of(a), at + c0, n, call, interrupted)) return fault;
     typename R::Acc acc[kBlockChunks];
     Words staged[kBlockChunks];  // our input, then the output
     load_block(in, bytes, c0, n, staged);
@@ -400,16 +409,17 @@ uint64_t reduce(const AllReduceArgs& a, const uint32_t* const* areas, size_t at,
   return 0;
 }
 
-// Copies `bytes` bytes that `source` sent as chunks [at, ...) of `from` into `out`, block by block as they arrive.
+// Copies `bytes` bytes that `source` sent as chunks [at, ...) of its area (areas[source]) into `out`, block by
+// block as they arrive.
 template <Format F>
-uint64_t gather(const AllReduceArgs& a, const uint32_t* from, int source, size_t at, void* out, size_t bytes,
+uint64_t gather(const AllReduceArgs& a, const uint32_t* const* areas, int source, size_t at, void* out, size_t bytes,
                 uint32_t call, InterruptCheck interrupted) {
   const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
   Words staged[kBlockChunks];
   for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const size_t n = std::min(kBlockChunks, chunks - c0);
-    if (const uint64_t fault = wait_chunks<F>(a, from, source, at + c0, n, call, interrupted)) return fault;
-    for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(from, at + c0 + i);
+    if (const uint64_t fault = wait_chunks<F>(a, areas, 1u << source, at + c0, n, call, interrupted)) return fault;
+    for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(areas[source], at + c0 + i);
     store_block(out, bytes, c0, n, staged);
   }
   return 0;
@@ -428,19 +438,19 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
       return kEmpty;
     return load_word(call_word(a.local, buffer, s));
   };
-  for (int s = 0; s < a.world; ++s) {
-    if (s == a.rank) continue;
-    uint32_t theirs = kEmpty;
-    uint64_t fault = wait_for(a, s, interrupted, [&] { return (theirs = call_of(s)) != kEmpty; });
-    if (fault == 0 && theirs != call) fault = encode_fault(Fault::kCallMismatch, s, flag_signature(theirs, epoch));
-    if (fault != 0) {
-      if (fault_kind(fault) != Fault::kPeerTimeout) return fault;
-      uint32_t missing = 0;  // name every peer still missing, not only the first one we waited for
-      for (int t = s; t < a.world; ++t)
-        if (t != a.rank && call_of(t) == kEmpty) missing |= 1u << t;
-      return encode_fault(Fault::kPeerTimeout, missing, 0);
+  // A peer making another call ends the wait at once, and is named before any fault the wait met.
+  uint32_t theirs[kMaxRanks] = {};
+  int differs = -1;
+  const uint64_t fault = wait_for(a, peers_of(a), interrupted, [&](uint32_t& pending) {
+    for (int s = 0; s < a.world; ++s) {
+      if (!(pending & (1u << s)) || (theirs[s] = call_of(s)) == kEmpty) continue;
+      pending &= ~(1u << s);
+      if (theirs[s] != call && differs < 0) differs = s;
     }
-  }
+    if (differs >= 0) pending = 0;
+  });
+  if (differs >= 0) return encode_fault(Fault::kCallMismatch, differs, flag_signature(theirs[differs], epoch));
+  if (fault != 0) return fault;
   note(a.timeline, epoch, kKernelArrived);
   // Then the data: whatever has arrived is this call's (layout.h).
   const uint32_t* areas[kMaxRanks] = {};
@@ -468,8 +478,8 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
     char* const to = out + s * a.stride_bytes;
     const uint64_t fault =
         a.collective == Collective::kAllGather
-            ? gather<Format::kLines>(a, areas[s], s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted)
-            : gather<format_of(D)>(a, areas[s], s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted);
+            ? gather<Format::kLines>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted)
+            : gather<format_of(D)>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted);
     if (fault != 0) return fault;
   }
   return 0;

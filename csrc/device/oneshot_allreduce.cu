@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
       sanitize<D>(own);
       // Every peer's chunk (and, until it matched, its call word).
       uint32_t got[W][kWireWords<format_of(D)>];
-      const uint32_t peers = ((1u << a.world) - 1) & ~(1u << a.rank);
+      const uint32_t peers = peers_of(a);
       failed = !receive<format_of(D), W>(a, s, epoch, buffer, call, c, peers, calls_seen, deadline, got);
       if (failed) {
         if (!kFused) store_poison(a.out, c * kChunkBytes, a.bytes, a.dtype);
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
 
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
   uint64_t deadline = 0;
-  const uint32_t peers = ((1u << a.world) - 1) & ~(1u << r);
+  const uint32_t peers = peers_of(a);
   if constexpr (!kGather) {
     char* const mine = kTwoShot ? out + r * a.stride_bytes : out;  // our reduced shard's place in the output
     for (size_t j = first; j < sh.chunks_of(r); j += stride) {

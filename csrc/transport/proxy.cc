@@ -111,7 +111,8 @@ class Proxy final : public Transport {
     int posted = 0;                // rounds posted that delivered() has not yet reported landed
     uint32_t rung = kNoEpoch;  // the last epoch rung: the reducer's current call (kNoEpoch: none yet)
     uint32_t receive[kMaxRanks];  // per peer, the epoch of its next delivery
-    bool closed[kMaxRanks] = {};
+    uint32_t closed[kMaxRanks] = {};  // per peer: 0 while its connection is open, else when it closed (1: first)
+    uint32_t closures = 0;
     for (uint32_t& e : receive) e = first_epoch_;
     auto last_work = std::chrono::steady_clock::now();
     auto last_probe = last_work;
@@ -146,7 +147,7 @@ class Proxy final : public Transport {
         if (posted > 0) {
           uint64_t failed = 0;
           const bool done = wire_->delivered(failed);
-          if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
+          if (failed != 0 && !closed_connection(failed, closed, closures)) fault = failed;
           if (done || failed != 0) {
             for (uint32_t e = send; posted > 0; --posted) {
               e = previous_epoch(e);
@@ -169,7 +170,7 @@ class Proxy final : public Transport {
             note(timeline_, receive[p], kProxyArrival);
             receive[p] = next_epoch(receive[p]);
             worked = true;
-          } else if (failed != 0 && !closed_connection(failed, closed)) {
+          } else if (failed != 0 && !closed_connection(failed, closed, closures)) {
             fault = failed;
           }
         }
@@ -179,13 +180,19 @@ class Proxy final : public Transport {
             if (p == rank_ || closed[p] || receive[p] != rung) continue;
             uint64_t failed = 0;
             wire_->probe(p, failed);
-            if (failed != 0 && !closed_connection(failed, closed)) fault = failed;
+            if (failed != 0 && !closed_connection(failed, closed, closures)) fault = failed;
           }
         }
-        // A closed peer fails this rank only once this rank is in a call that peer has not delivered.
-        for (int p = 0; p < world && fault == 0; ++p)
-          if (closed[p] && rung != kNoEpoch && receive[p] == rung)
-            fault = encode_fault(Fault::kTransport, uint32_t(p), kConnectionClosed);
+        // A closed peer fails this rank only once this rank is in a call that peer has not delivered. Of several,
+        // the one that closed first is named: a peer that closed later may have closed on a fault of its own
+        // caused by the first (its abort word says so), and naming it would blame a rank that was alive.
+        int first_closed = -1;
+        for (int p = 0; p < world; ++p)
+          if (closed[p] != 0 && rung != kNoEpoch && receive[p] == rung &&
+              (first_closed < 0 || closed[p] < closed[first_closed]))
+            first_closed = p;
+        if (fault == 0 && first_closed >= 0)
+          fault = encode_fault(Fault::kTransport, uint32_t(first_closed), kConnectionClosed);
         if (fault != 0) {
           tell(rank_, fault);
           for (int p = 0; p < world; ++p)
@@ -211,10 +218,12 @@ class Proxy final : public Transport {
     wire_->post_abort(peer, word);
   }
 
-  // A connection that closed is recorded in `closed` (no failure by itself); true if `fault` was one.
-  static bool closed_connection(uint64_t fault, bool (&closed)[kMaxRanks]) {
+  // A connection that closed is recorded in `closed`, in the order of closing (no failure by itself); true if
+  // `fault` was one.
+  static bool closed_connection(uint64_t fault, uint32_t (&closed)[kMaxRanks], uint32_t& closures) {
     if (fault_kind(fault) != Fault::kTransport || fault_value(fault) != kConnectionClosed) return false;
-    closed[fault_detail(fault) % kMaxRanks] = true;
+    uint32_t& order = closed[fault_detail(fault) % kMaxRanks];
+    if (order == 0) order = ++closures;
     return true;
   }
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import gpus
-from multiproc import end_this_process_later, expect_ok, record_figure, run_ranks
+from multiproc import all_arrived, end_this_process_later, expect_ok, record_figure, run_ranks
 
 
 def _close_while_the_peer_dies(store, rank, world):
@@ -102,6 +102,10 @@ def _timeout_beside_another_communicator(store, rank, world):
     import rocenante
 
     device = gpus.use(rank)
+    # The 1 s timeout bounds the set-up's waits too: both ranks start it with their CUDA context made (making one
+    # took rank 1 more than a second once, on one H200 shared by the ranks).
+    torch.empty(1, device=device)
+    all_arrived(store, world, "cuda-ready")
     first = rocenante.Communicator(store, rank, world, device=device, timeout_s=1.0, name="first")
     second = rocenante.Communicator(store, rank, world, device=device, timeout_s=1.0, name="second")
     message = ""
