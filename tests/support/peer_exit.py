@@ -46,11 +46,10 @@ def rank_two_ends_mid_call(store, rank, world, device, rank_zero="fails"):
         store.set("closed/0", "1")
         store.wait(["closed/1"])
         return ("closed",)
-    # Rank 1 makes call 2 only once rank 0 closed: then two of its peers are gone while the call waits for both,
-    # and it must still name rank 2, whose end came first. Rank 0 failing call 2 at once while rank 1 is late
-    # (the CPU host loop waited for one peer at a time: it timed out); over the TCP wire rank 1's proxy sees both
-    # connections closed (it named the lower rank, before it named the first to close; with "fails" only when rank
-    # 0's abort word was not yet whole: 3 runs in 4 on a loaded 2-core machine without this wait).
+    # Rank 1 makes call 2 only once rank 0 closed, so two of its peers are gone while that call waits for both: it
+    # must still name rank 2, whose end came first (over the TCP wire its proxy saw both connections close, and
+    # named the lower rank until it named the first to close). With "fails", rank 0 must fail call 2 at once
+    # although rank 1 is late (the CPU host loop, waiting for one peer at a time, timed out).
     if rank == 1:
         store.wait(["closed/0"])
     start = time.monotonic()
