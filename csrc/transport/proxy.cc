@@ -186,13 +186,13 @@ class Proxy final : public Transport {
         // A closed peer fails this rank only once this rank is in a call that peer has not delivered. Of several,
         // the one that closed first is named: a peer that closed later may have closed on a fault of its own
         // caused by the first (its abort word says so), and naming it would blame a rank that was alive.
-        int first_closed = -1;
-        for (int p = 0; p < world; ++p)
-          if (closed[p] != 0 && rung != kNoEpoch && receive[p] == rung &&
-              (first_closed < 0 || closed[p] < closed[first_closed]))
-            first_closed = p;
-        if (fault == 0 && first_closed >= 0)
-          fault = encode_fault(Fault::kTransport, uint32_t(first_closed), kConnectionClosed);
+        if (fault == 0 && rung != kNoEpoch) {
+          int first_closed = -1;
+          for (int p = 0; p < world; ++p)
+            if (closed[p] != 0 && receive[p] == rung && (first_closed < 0 || closed[p] < closed[first_closed]))
+              first_closed = p;
+          if (first_closed >= 0) fault = encode_fault(Fault::kTransport, uint32_t(first_closed), kConnectionClosed);
+        }
         if (fault != 0) {
           tell(rank_, fault);
           for (int p = 0; p < world; ++p)
