@@ -357,16 +357,18 @@ void Communicator::check_issuable(DType dtype, ReduceOp op) {
   validate_shared(dtype, op);
 }
 
-// One call of the protocol (a piece), under issue_: takes the next call number, then launches the kernel (GPU)
-// or runs the host loop (CPU: the fault it met, else 0). Once the number is taken the peers count the call as
-// made, so anything that stops it from going out faults the communicator and tells them: else this rank's
-// next call would pair with their call of this number, silently where the two look alike.
+// One piece, under issue_: takes the next call numbers (calls_of(): one, or two for a network two-shot piece; `epoch`
+// the last), then launches the kernel (GPU) or runs the host loop (CPU: the fault it met, else 0). Once the numbers
+// are taken the peers count the calls as made, so anything that stops them from going out faults the communicator
+// and tells them: else this rank's next call would pair with their call of this number, silently where the two
+// look alike.
 uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t& epoch) {
-  epoch = next_epoch(issued_);
+  const uint32_t first = next_epoch(issued_);
+  epoch = calls_of(a) == 2 ? next_epoch(first) : first;
   issued_ = epoch;
   try {
     if (kernel_ == nullptr) {
-      const uint64_t fault = host_allreduce(a, epoch, reset_footprint_, interrupt_check_);
+      const uint64_t fault = host_allreduce(a, first, reset_footprint_, interrupt_check_);
       reset_footprint_ = footprint_of(a);
       return fault;
     }
@@ -418,14 +420,13 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
     refuse(what + ": " + why);
   }
 
-  // A call larger than one area goes as pieces, each a call of the protocol with its own epoch. A one-shot piece is
-  // a multiple of 512 bytes, so every piece keeps the caller's alignment; a sharded call's pieces take the same
-  // part of every shard (of a two-shot call: consecutive parts of the tensor).
+  // A call larger than one area goes as pieces, each one call of the protocol with its own epoch (over the network
+  // a two-shot piece is two: calls_of()). A one-shot piece is a multiple of 512 bytes, so every piece keeps the
+  // caller's alignment; a sharded call's pieces take the same part of every shard (of a two-shot call: consecutive
+  // parts of the tensor).
   const bool one_shot = c == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot;
-  // Over the network a two-shot piece goes as two calls of the protocol (layout.h, Shards): a reduce-scatter that
-  // reduces our shard into its place in the output, then an all-gather of that shard, whose lines size the slots.
-  const bool halves = c == Collective::kAllReduce && !one_shot && network_ != 0;
-  const Format format = halves ? Format::kLines : format_of(c, dtype);
+  // A network two-shot piece's second call sends our reduced shard as lines, which size the slots.
+  const Format format = calls_of(a) == 2 ? Format::kLines : format_of(c, dtype);
   const size_t slot = max_slot_chunks(layout_.capacity_bytes, world_, format) * kChunkBytes / esize;  // elements
   const size_t piece = one_shot ? piece_bytes(layout_.capacity_bytes, dtype) / esize
                        : c == Collective::kAllReduce ? slot * world_
@@ -446,20 +447,7 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
       a.stride_bytes = a.shards.shard_bytes;
     }
     a.signature = call_signature(a.count, dtype, c == Collective::kAllGather ? ReduceOp::kSum : op, c, a.algorithm);
-    uint64_t fault = 0;
-    if (halves) {  // both halves carry the two-shot signature: a peer making another call differs at the first
-      char* const ours = static_cast<char*>(a.out) + size_t(rank_) * a.stride_bytes;
-      AllReduceArgs half = a;
-      half.collective = Collective::kReduceScatter;
-      half.out = ours;
-      fault = issue(half, stream, epoch);
-      half = a;
-      half.collective = Collective::kAllGather;
-      half.in = ours;
-      if (fault == 0) fault = issue(half, stream, epoch);
-    } else {
-      fault = issue(a, stream, epoch);
-    }
+    const uint64_t fault = issue(a, stream, epoch);
     if (fault == 0) continue;
     // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one
     // (a sharded call: its whole output).

@@ -485,15 +485,8 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
   return 0;
 }
 
-}  // namespace
-
-void poison_host(void* begin, size_t bytes, DType dtype) {
-  const uint32_t word = poison_word(dtype);
-  for (size_t b = 0; b < bytes; b += sizeof(word))
-    std::memcpy(static_cast<char*>(begin) + b, &word, std::min(sizeof(word), bytes - b));
-}
-
-uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
+// One call of the protocol (host_allreduce() runs a piece's calls).
+uint64_t host_call(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   note(a.timeline, epoch, kKernelStart);
@@ -535,6 +528,21 @@ uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, 
   }
   note(a.timeline, epoch, kKernelEnd);
   return fault;
+}
+
+}  // namespace
+
+void poison_host(void* begin, size_t bytes, DType dtype) {
+  const uint32_t word = poison_word(dtype);
+  for (size_t b = 0; b < bytes; b += sizeof(word))
+    std::memcpy(static_cast<char*>(begin) + b, &word, std::min(sizeof(word), bytes - b));
+}
+
+uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
+  if (calls_of(a) == 1) return host_call(a, epoch, reset, interrupted);
+  const AllReduceArgs scatter = piece_call(a, 0);
+  if (const uint64_t fault = host_call(scatter, epoch, reset, interrupted)) return fault;
+  return host_call(piece_call(a, 1), next_epoch(epoch), footprint_of(scatter), interrupted);
 }
 
 }  // namespace rocenante

@@ -11,9 +11,9 @@ namespace rocenante {
 // True when a signal asks the waiting thread to give up (Ctrl-C); checked at most every few milliseconds.
 using InterruptCheck = bool (*)();
 
-// Runs one call of the protocol, any collective, on the calling thread. `epoch` is this call's number (same on
-// every rank); `reset` is the footprint of the previous call (footprint_of()), whose buffer this call resets
-// (layout.h).
+// Runs one piece, any collective, on the calling thread: one call of the protocol, or the two of a network two-shot
+// piece (calls_of()). `epoch` is its first call's number (same on every rank); `reset` is the footprint of the
+// previous call (footprint_of()), whose buffer the first call resets (layout.h).
 // Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
 // compute is then poisoned (poison_word).
 uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, uint32_t reset, InterruptCheck interrupted);

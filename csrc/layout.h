@@ -47,7 +47,8 @@
 // Buffers rotate: call e uses buffer e % 3 (buffer_of()). During call e every rank resets (writes kEmpty over)
 // buffer (e - 1) % 3 of its own region — the call words and the span the previous call used of every area
 // (span_bytes(), or the slots of a sharded call: Shards) — off the critical path, while it waits for call e's
-// data. Why nothing stale is ever taken for current data:
+// data (one exception over a network wire: the collectives, below). Why nothing stale is ever taken for current
+// data:
 //   - A sender writes buffer e % 3 of rank r only in call e. It starts call e + 2, the next to use the buffer
 //     rank r resets during call e, only after it has received r's data for call e + 1, which r sends after
 //     it finished call e (on the GPU: the next kernel starts after the previous one completed, and a region in
@@ -203,10 +204,22 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 //     with the same arithmetic as one-shot, so the bits equal one-shot's and every rank's.
 //   reduce-scatter: the first exchange of two-shot, each rank's output its own reduced shard.
 //   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
-// Over a network wire a delivery carries one call, so there two-shot goes as two calls per piece (CPU tensors
-// only, so far): a reduce-scatter that leaves each rank's reduced shard in its place in the output, then an
-// all-gather of that shard (lines: the piece's slots are sized for them). Both carry the two-shot signature, so a
-// peer that makes another call differs at the first, and the second is never mistaken for a call of its own.
+// Over a network wire a delivery carries one call, so there a two-shot piece is two calls, numbers e and e + 1
+// (calls_of(), allreduce_args.h): a reduce-scatter that leaves each rank's reduced shard in its place in the
+// output, then an all-gather of that shard (lines: the piece's slots are sized for them). Both carry the two-shot
+// signature, so a peer that makes another call differs at the first, and the second is never mistaken for a call
+// of its own. The host loop makes them one after the other. The kernel makes both in one launch: it pushes and
+// rings call e, resets the buffer of the call before, reduces its shard into its image of call e + 1 (lines, with
+// e + 1's call word), rings e + 1 once every CTA has (a second count), then gathers. The peers and the proxy see
+// the calls as two launches would make them; the mailbox's slot per buffer holds, as e + 1 is rung only once the
+// peers' data of e is in. Only the reset differs: the launch leaves buffer e % 3 as call e left it (no CTA waits
+// for another, so none knows when the launch's reads of call e are over), where a launch of its own would reset
+// it during call e + 1. That buffer is next written by call e + 3, which a peer sends once it has our data of
+// e + 2; a reset would then have to come before the next launch's push, on its critical path. None is needed:
+// a network peer's words are read only after its delivery's signal, and a delivery writes its call word and
+// whole span before that (Mailbox), so nothing left there from call e is read by a later call of the buffer.
+// The buffer's next reset is the usual one of call e + 3's footprint, by the call after it (the kernel keeps the
+// footprint of each launch's last call).
 enum class Collective : uint32_t { kAllReduce = 0, kFusedAllReduce = 1, kAllGather = 2, kReduceScatter = 3 };
 enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 

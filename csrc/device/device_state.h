@@ -29,8 +29,8 @@ struct DeviceState {
   uint32_t* footprints;
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
-  // Network peers: CTAs of this launch that have finished their stores into the images, and those of them
-  // that sent nothing (oneshot_allreduce.cu, ring_doorbell()).
+  // Network peers, per call of the launch (calls_of(): sent[0], sent[1]): CTAs that have finished their stores of
+  // that call into the images, and those of them that sent nothing (oneshot_allreduce.cu, ring_doorbell()).
   uint32_t* sent;
 };
 

@@ -74,8 +74,8 @@ class CudaOneshotKernel final : public OneshotKernel {
       for (const auto& per_op : max_blocks_)
         for (const auto& per_variant : per_op)
           for (const int blocks : per_variant) state_.copies = std::max(state_.copies, blocks);
-      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent.
-      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 1;
+      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent[2].
+      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 2;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
       state_.footprints = state_.fault_mask + 1;

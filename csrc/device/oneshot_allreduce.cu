@@ -75,14 +75,17 @@ static_assert(kMaxBlocks < kUnsent, "the low half of DeviceState::sent counts CT
 // CTA's stores are visible to the proxy, and only if every thread of the launch sent its chunks (`sent`: a
 // thread that found the communicator faulted sent nothing; CTAs read the fault mask at different times): a
 // call not written whole is never delivered (layout.h, Mailbox). Every thread of the launch takes part.
-__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer, size_t span,
-                              bool sent) {
+// `index`: which call of the launch this is (calls_of()), each counted apart (a CTA may be done with the second
+// while another still stores for the first).
+__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
+                              size_t span, bool sent) {
   __threadfence_system();  // this thread's image stores, before its CTA is counted
   const bool all_sent = __syncthreads_and(sent);
   if (threadIdx.x != 0) return;
-  const uint32_t before = atomicAdd(s.sent, all_sent ? 1u : 1u + kUnsent);
+  uint32_t* const counter = s.sent + index;
+  const uint32_t before = atomicAdd(counter, all_sent ? 1u : 1u + kUnsent);
   if (before % kUnsent != gridDim.x - 1) return;
-  *s.sent = 0;  // for the next launch, which starts after this one completed
+  *counter = 0;  // for the next launch, which starts after this one completed
   if (!all_sent || before >= kUnsent) return;
   __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
   note(a, epoch, kKernelRing);
@@ -159,10 +162,11 @@ __device__ __forceinline__ bool receive(const AllReduceArgs& a, const DeviceStat
   }
 }
 
-// Resets the previous call's buffer of our own region while our data travels (layout.h says why it is free by now):
-// what that call wrote into each area (its footprint, DeviceState::footprints), and the call words; then records this
-// call's footprint. With network peers the region is host memory, and the reset must be there before this kernel
-// ends (memory_order.cuh). Every thread of the launch takes part.
+// Resets the buffer of the call before this launch's first (`epoch`) in our own region while our data travels
+// (layout.h says why it is free by now): what that call wrote into each area (its footprint,
+// DeviceState::footprints), and the call words; then records the footprint of this launch's last call, which uses
+// `buffer`. With network peers the region is host memory, and the reset must be there before this kernel ends
+// (memory_order.cuh). Every thread of the launch takes part.
 __device__ __forceinline__ void reset_previous(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch,
                                                int buffer, size_t first, size_t stride) {
   const int previous = previous_buffer(epoch);
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     }
   }
 
-  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, call_span_bytes(a), !failed);
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, call_span_bytes(a), !failed);
 
   reset_previous(a, s, epoch, buffer, first, stride);
 
@@ -396,13 +400,51 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   end_launch(a, s, epoch, first);
 }
 
+// The gather of a sharded call (below): each peer's slot of call `call` (number `epoch`, using `buffer`), in format
+// G, as it arrives (its reduced shard, or its input for an all-gather) into our output; our own slot only if the
+// thread has failed (an all-gather's, which the push wrote: poisoned). The thread walks the slots' chunks as
+// first + k * stride.
+template <Format G, int W, bool kGather>
+__device__ __forceinline__ void gather_slots(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer,
+                                             uint32_t call, size_t first, size_t stride, bool failed) {
+  const Shards& sh = a.shards;
+  const int r = a.rank;
+  const size_t slot = sh.slot_chunks, slots = size_t(a.world) * slot;
+  char* const out = static_cast<char*>(a.out);
+  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+  uint64_t deadline = 0;
+  for (size_t v = first; v < slots; v += stride) {
+    const int t = int(v / slot);
+    const size_t j = v % slot;
+    if (j >= sh.chunks_of(t) || t == r) {
+      if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
+      continue;
+    }
+    if (!failed) {
+      uint32_t got[W][kWireWords<G>];
+      failed = !receive<G, W>(a, s, epoch, buffer, call, v, 1u << t, calls_seen, deadline, got);
+      if (!failed) {
+        uint32_t w[4];
+#pragma unroll
+        for (int p = 0; p < W; ++p)
+          if (p == t) payload<G>(got[p], w);
+        store_words(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
+        continue;
+      }
+    }
+    store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
+  }
+}
+
 // Two-shot all-reduce, reduce-scatter and all-gather (layout.h, Shards), one launch each:
 //   push:   shard t of our input into our area of rank t's region, at slot t (a network peer's image: every shard
 //           but ours, as the host loop does); an all-gather: our shard, at our slot, into every peer's, and into
 //           our own output (no peer's data in it, so it needs no peer's call word);
-//   reset:  the previous call's footprint, as one-shot;
+//   reset:  the footprint of the call before this launch, as one-shot;
 //   reduce: our shard, chunk by chunk once every peer's has arrived, in rank order as one-shot (the same bits);
-//           into our output, and for two-shot into every peer's region at our slot as well;
+//           into our output, and for two-shot into every peer's region at our slot as well: with network peers
+//           as the launch's second call, the next number, in lines (calls_of(); its doorbell rung once every
+//           CTA has sent its part, as the first's);
 //   gather: each peer's slot as it arrives (its reduced shard, or its input for an all-gather) into our output.
 // Deadlock-free as one-shot: every CTA pushes before it waits; the reduce waits only for pushes; the gather waits
 // only for the peers' reduce, which waits for nothing else; every CTA of a launch is resident at once. A thread
@@ -417,6 +459,11 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
   const uint32_t epoch = begin_launch(s);
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
+  // The launch's last call: with network peers two-shot's reduced shards go as a second call (calls_of()).
+  const bool second = kTwoShot && calls_of(a) == 2;
+  const uint32_t last = second ? next_epoch(epoch) : epoch;
+  const int last_buffer = buffer_of(last);
+  const uint32_t last_call = make_flag(a.signature, last);
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   const Shards& sh = a.shards;
@@ -454,14 +501,15 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
       }
     }
   }
-  if (a.network != 0) ring_doorbell(a, s, epoch, buffer, call_span_bytes(a), !failed);
-  reset_previous(a, s, epoch, buffer, first, stride);
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, call_span_bytes(second ? piece_call(a, 0) : a), !failed);
+  reset_previous(a, s, epoch, last_buffer, first, stride);
 
-  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
-  uint64_t deadline = 0;
-  const uint32_t peers = peers_of(a);
   if constexpr (!kGather) {
+    uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+    uint64_t deadline = 0;
+    const uint32_t peers = peers_of(a);
     char* const mine = kTwoShot ? out + r * a.stride_bytes : out;  // our reduced shard's place in the output
+    if (second && first == 0 && !failed) send_call_word<W>(a, last_buffer, last_call);
     for (size_t j = first; j < sh.chunks_of(r); j += stride) {
       if (!failed) {
         uint32_t own[4];
@@ -475,40 +523,28 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
           store_words(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
           if constexpr (kTwoShot) {
 #pragma unroll
-            for (int p = 0; p < W; ++p)
-              if (p < a.world && (a.stores & (1u << p)))
+            for (int p = 0; p < W; ++p) {
+              if (p >= a.world || !(a.stores & (1u << p))) continue;
+              if (second)
+                send_chunk<Format::kLines>(area(a.peer[p], a.layout, last_buffer, p, r), r * slot + j, w, last_call);
+              else
                 send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), r * slot + j, w, call);
+            }
           }
           continue;
         }
       }
       store_poison(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype);
     }
+    if (second) ring_doorbell(a, s, 1, last, last_buffer, call_span_bytes(piece_call(a, 1)), !failed);
   }
   if constexpr (kGather || kTwoShot) {
-    for (size_t v = first; v < slots; v += stride) {
-      const int t = int(v / slot);
-      const size_t j = v % slot;
-      if (j >= sh.chunks_of(t) || t == r) {
-        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
-        continue;
-      }
-      if (!failed) {
-        uint32_t got[W][kWireWords<F>];
-        failed = !receive<F, W>(a, s, epoch, buffer, call, v, 1u << t, calls_seen, deadline, got);
-        if (!failed) {
-          uint32_t w[4];
-#pragma unroll
-          for (int p = 0; p < W; ++p)
-            if (p == t) payload<F>(got[p], w);
-          store_words(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
-          continue;
-        }
-      }
-      store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
-    }
+    if (second)
+      gather_slots<Format::kLines, W, false>(a, s, last, last_buffer, last_call, first, stride, failed);
+    else
+      gather_slots<F, W, kGather>(a, s, epoch, buffer, call, first, stride, failed);
   }
-  end_launch(a, s, epoch, first);
+  end_launch(a, s, last, first);
 }
 
 // Calls f.template operator()<W>() with the kernel's world bound for `world` (see the kernel).

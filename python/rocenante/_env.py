@@ -95,9 +95,10 @@ TWOSHOT_FROM_CPU = 256 << 10
 TWOSHOT_FROM_GPU_MODELLED = {3: 1020 << 10, 4: 452 << 10, 5: 280 << 10, 6: 204 << 10, 7: 156 << 10, 8: 128 << 10}
 # DGX Sparks over RoCE (GPU tensors on the ib path): MODELLED, NOT MEASURED (no machine here has a GPU and an RDMA
 # NIC): the same crossover with rocenante.model's dgx-spark-roce profile (fitted to the real RoCEnante's one-shot on
-# 4 Sparks and ib_write_lat), rounded down to 4 KiB; recomputed by the same test. Over the network two-shot goes as
-# two calls of the protocol a piece (csrc/layout.h), which the model does not charge. CPU tensors over the network
-# and the TCP test wire stay one-shot under auto (neither is modelled); ROCENANTE_ALGO=twoshot runs them.
+# 4 Sparks and ib_write_lat), rounded down to 4 KiB; recomputed by the same test. Over the network a two-shot piece
+# is two calls of the protocol made by one launch (csrc/layout.h): the model does not charge the second's doorbell.
+# CPU tensors over the network and the TCP test wire stay one-shot under auto (neither is modelled);
+# ROCENANTE_ALGO=twoshot runs them.
 TWOSHOT_FROM_ROCE_MODELLED = {3: 380 << 10, 4: 168 << 10, 5: 104 << 10, 6: 76 << 10, 7: 56 << 10, 8: 48 << 10}
 
 

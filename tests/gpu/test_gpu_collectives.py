@@ -1,7 +1,8 @@
 """All-gather, reduce-scatter and two-shot all-reduce on GPUs (sharded_kernel, csrc/device/oneshot_allreduce.cu):
 every dtype and op at slot and piece edges, bit for bit against references every rank computes, in CUDA graphs,
-with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece goes as two launches,
-a reduce-scatter and an all-gather). Worlds 2 to 8 on whatever GPUs there are (tests/support/gpus.py)."""
+with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece is two calls of the
+protocol, a reduce-scatter and an all-gather, made by one launch). Worlds 2 to 8 on whatever GPUs there are
+(tests/support/gpus.py)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,40 @@ def test_graph_replays_with_new_inputs(net, world, monkeypatch):
     _two_shot(monkeypatch)
     replays = gpus.calls(200, world, on_shared=20, least=5)
     assert expect_ok(run_ranks(world, _graph, net, replays, timeout=300)) == [replays] * world
+
+
+def _launches(store, rank, world, net):
+    """Kernel launches and call numbers of one two-shot all-reduce of three pieces."""
+    from torch.profiler import ProfilerActivity, profile
+
+    comm = _comm(store, rank, world, net)
+    assert comm.two_shot(1), "ROCENANTE_ALGO=twoshot did not take"
+    dev = gpus.device_of(rank)
+    # float32 elements of a piece: world slots, as many chunks each as the area holds (in lines over the network)
+    piece = CAPACITY // (world * 16 * (2 if net else 1)) * 4 * world
+    inputs = [make_input(7, 0, r, 3 * piece, torch.float32) for r in range(world)]
+    x = inputs[rank].to(dev)
+    before = comm.issue(torch.zeros(world, device=dev))  # one piece, warming the kernel up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        after = comm.issue(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "kernel" in e.name]
+    ok = torch.equal(bits(x.cpu()), bits(reduced(inputs, "sum")))
+    comm.synchronize()
+    comm.close()
+    return after - before, kernels, ok
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_two_shot_piece_is_one_launch(net, world, monkeypatch):
+    """Over the network too: one launch a piece, which makes two calls of the protocol there (numbers advance by two
+    a piece) and one directly."""
+    _two_shot(monkeypatch)
+    for rank, (advance, kernels, ok) in enumerate(expect_ok(run_ranks(world, _launches, net, timeout=300))):
+        assert ok, f"rank {rank}: wrong sum"
+        assert len(kernels) == 3 and all("sharded_kernel" in k for k in kernels), f"rank {rank}: {kernels}"
+        assert advance == 3 * (2 if net else 1), f"rank {rank}: call numbers advanced by {advance}"
 
 
 def _mismatch(store, rank, world, net):

@@ -1,5 +1,5 @@
-"""A small 2-rank run of every dtype and op on this machine's GPUs (shared where there is one), for
-compute-sanitizer (tests/gpu/test_gpu_allreduce.py)."""
+"""A small 2-rank run of every dtype and op on this machine's GPUs (shared where there is one), directly and then
+two-shot over the TCP wire, for compute-sanitizer (tests/gpu/test_gpu_allreduce.py)."""
 
 import os
 import sys
@@ -31,4 +31,7 @@ def _work(store, rank, world):
 
 
 if __name__ == "__main__":
+    print(expect_ok(run_ranks(2, _work, timeout=500)))
+    # The sharded kernel over the network, where one launch makes a two-shot piece's two calls (csrc/layout.h).
+    os.environ.update(ROCENANTE_NET="tcp", ROCENANTE_ALGO="twoshot")
     print(expect_ok(run_ranks(2, _work, timeout=500)))
