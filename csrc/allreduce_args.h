@@ -64,7 +64,11 @@ ROCENANTE_HD bool sharded(const AllReduceArgs& a) {
   return a.collective == Collective::kAllGather || a.collective == Collective::kReduceScatter ||
          a.algorithm == Algorithm::kTwoShot;
 }
-ROCENANTE_HD Format format_of(const AllReduceArgs& a) { return format_of(a.collective, a.dtype); }
+// A two-shot piece's calls carry the dtype's format: its second call, an all-gather, gathers reduced shards, which
+// are sanitized (layout.h), so the Lamport format carries every bit of them.
+ROCENANTE_HD Format format_of(const AllReduceArgs& a) {
+  return a.algorithm == Algorithm::kTwoShot ? format_of(a.dtype) : format_of(a.collective, a.dtype);
+}
 // Every rank of the call but this one (bit p: rank p).
 ROCENANTE_HD uint32_t peers_of(const AllReduceArgs& a) { return ((1u << a.world) - 1) & ~(1u << a.rank); }
 // Calls of the protocol a piece makes: two for a two-shot all-reduce over a network wire, one otherwise (layout.h:
@@ -73,7 +77,7 @@ ROCENANTE_HD int calls_of(const AllReduceArgs& a) {
   return a.collective == Collective::kAllReduce && a.algorithm == Algorithm::kTwoShot && a.network != 0 ? 2 : 1;
 }
 // Call i of a piece that makes two, as a call of its own: 0, a reduce-scatter that leaves our reduced shard in its
-// place in the output; 1, an all-gather of that shard (lines). Both keep the piece's two-shot signature.
+// place in the output; 1, an all-gather of that shard. Both keep the piece's two-shot signature and format.
 ROCENANTE_HD AllReduceArgs piece_call(const AllReduceArgs& a, int i) {
   AllReduceArgs c = a;
   char* const ours = static_cast<char*>(a.out) + size_t(a.rank) * a.stride_bytes;
@@ -83,10 +87,9 @@ ROCENANTE_HD AllReduceArgs piece_call(const AllReduceArgs& a, int i) {
   return c;
 }
 // What the call writes into each area of its buffer (layout.h, footprint_ranges()); of a piece that makes two
-// calls, what the second writes.
+// calls, what each does.
 ROCENANTE_HD uint32_t footprint_of(const AllReduceArgs& a) {
-  if (!sharded(a)) return uint32_t(span_bytes(a.bytes, a.dtype));
-  return sharded_footprint(a.shards.slot_chunks, calls_of(a) == 2 ? Format::kLines : format_of(a));
+  return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));
 }
 // Bytes of each area the call may write: what a network peer's wire delivers.
 ROCENANTE_HD size_t call_span_bytes(const AllReduceArgs& a) {

@@ -425,8 +425,7 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
   // caller's alignment; a sharded call's pieces take the same part of every shard (of a two-shot call: consecutive
   // parts of the tensor).
   const bool one_shot = c == Collective::kAllReduce && a.algorithm == Algorithm::kOneShot;
-  // A network two-shot piece's second call sends our reduced shard as lines, which size the slots.
-  const Format format = calls_of(a) == 2 ? Format::kLines : format_of(c, dtype);
+  const Format format = format_of(a);
   const size_t slot = max_slot_chunks(layout_.capacity_bytes, world_, format) * kChunkBytes / esize;  // elements
   const size_t piece = one_shot ? piece_bytes(layout_.capacity_bytes, dtype) / esize
                        : c == Collective::kAllReduce ? slot * world_

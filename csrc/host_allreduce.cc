@@ -349,8 +349,12 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call) {
   const Shards& sh = a.shards;
   if (!sharded(a)) {
     send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
-  } else if (a.collective == Collective::kAllGather) {
-    send<D, Format::kLines>(Destinations(a, buffer, a.stores), a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
+  } else if (a.collective == Collective::kAllGather) {  // lines, but a two-shot piece's reduced shard as F
+    const Destinations to(a, buffer, a.stores);
+    if (format_of(a) == Format::kLines)
+      send<D, Format::kLines>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
+    else
+      send<D, F>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
   } else {  // two-shot's first exchange, a reduce-scatter
     for (int p = 0; p < a.world; ++p) {
       if (!(a.stores & (1u << p))) continue;
@@ -477,7 +481,7 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
     if (s == r) continue;
     char* const to = out + s * a.stride_bytes;
     const uint64_t fault =
-        a.collective == Collective::kAllGather
+        format_of(a) == Format::kLines
             ? gather<Format::kLines>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted)
             : gather<format_of(D)>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted);
     if (fault != 0) return fault;

@@ -206,11 +206,12 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 //   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
 // Over a network wire a delivery carries one call, so there a two-shot piece is two calls, numbers e and e + 1
 // (calls_of(), allreduce_args.h): a reduce-scatter that leaves each rank's reduced shard in its place in the
-// output, then an all-gather of that shard (lines: the piece's slots are sized for them). Both carry the two-shot
-// signature, so a peer that makes another call differs at the first, and the second is never mistaken for a call
-// of its own. The host loop makes them one after the other. The kernel makes both in one launch: it pushes and
-// rings call e, resets the buffer of the call before, reduces its shard into its image of call e + 1 (lines, with
-// e + 1's call word), rings e + 1 once every CTA has (a second count), then gathers. The peers and the proxy see
+// output, then an all-gather of that shard. Both carry the two-shot signature, so a peer that makes another call
+// differs at the first, and the second is never mistaken for a call of its own; and both the dtype's format (the
+// shard is reduced, so sanitized: the Lamport format carries it; format_of(args)). The host loop makes them one
+// after the other. The kernel makes both in one launch: it pushes and rings call e, resets the buffer of the call
+// before, reduces its shard into its image of call e + 1 (with e + 1's call word), rings e + 1 once every CTA has
+// (a second count), then gathers. The peers and the proxy see
 // the calls as two launches would make them; the mailbox's slot per buffer holds, as e + 1 is rung only once the
 // peers' data of e is in. Only the reset differs: the launch leaves buffer e % 3 as call e left it (no CTA waits
 // for another, so none knows when the launch's reads of call e are over), where a launch of its own would reset
@@ -249,8 +250,8 @@ ROCENANTE_HD Algorithm signature_algorithm(uint32_t sig) { return Algorithm(sig 
 static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the largest piece fits in 24 bits");
 
 // Format of a call's data in the areas: an all-gather returns every bit it was given (-0.0 and NaN payloads
-// included), which the Lamport format cannot carry (its empty word is a float's -0.0), so it always travels
-// as lines; the reductions as format_of(dtype).
+// included), which the Lamport format cannot carry (its empty word is a float's -0.0), so it travels as lines
+// (but a two-shot piece's second call: format_of(args), allreduce_args.h); the reductions as format_of(dtype).
 constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
   return c == Collective::kAllGather ? Format::kLines : format_of(t);
 }

@@ -32,6 +32,9 @@ struct DeviceState {
   // Network peers, per call of the launch (calls_of(): sent[0], sent[1]): CTAs that have finished their stores of
   // that call into the images, and those of them that sent nothing (oneshot_allreduce.cu, ring_doorbell()).
   uint32_t* sent;
+  // Launches that make two calls: the last call of the latest one whose every CTA had reduced its part (the
+  // gate before the second call's polls, sharded_kernel); kNoEpoch at first.
+  uint32_t* reduced;
 };
 
 // The kernels: one-shot all-reduce, plain or with the add + RMSNorm epilogue (oneshot_allreduce_kernel), and the

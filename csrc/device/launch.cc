@@ -74,14 +74,16 @@ class CudaOneshotKernel final : public OneshotKernel {
       for (const auto& per_op : max_blocks_)
         for (const auto& per_variant : per_op)
           for (const int blocks : per_variant) state_.copies = std::max(state_.copies, blocks);
-      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent[2].
-      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 2;
+      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent[2], reduced.
+      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 2 + 1;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
       state_.footprints = state_.fault_mask + 1;
       state_.sent = state_.footprints + kBuffers;
+      state_.reduced = state_.sent + 2;
       std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
+      init.back() = kNoEpoch;  // no launch has reduced yet
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
       // The fault record (the kernel's), then on lines of their own (layout.h, kLineBytes: a copy engine writes
       // them) wait_idle()'s copies of the epochs, allocated here: a cudaFreeHost in wait_idle() would wait for the

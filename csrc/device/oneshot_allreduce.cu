@@ -21,10 +21,12 @@
 //
 // No CTA waits for another CTA and no thread waits for anything but its own chunks and the call words, so there
 // is no barrier round (the doorbell's counter only counts CTAs that are done storing; none waits on it; a fused
-// row's barrier joins only the threads of one CTA). A thread that waits past the timeout, sees a call mismatch
-// or reads an abort word records the fault and tells every peer (abort words); from then on every chunk it and any later launch would have
-// computed is poisoned instead, decided here on the device, so graph replays after a fault produce NaN (int32:
-// INT32_MIN), never a stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
+// row's barrier joins only the threads of one CTA), but one: a launch that makes two calls (sharded_kernel) holds
+// its second call's polls until every CTA has reduced, or the timeout passed (a delay only, never a fault).
+// A thread that waits past the timeout, sees a call mismatch or reads an abort word records the fault and tells
+// every peer (abort words); from then on every chunk it and any later launch would have computed is poisoned
+// instead, decided here on the device, so graph replays after a fault produce NaN (int32: INT32_MIN), never a
+// stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
 // norm_out alike).
 #include "../chunk_reduce.h"
 #include "../fault.h"
@@ -76,20 +78,22 @@ static_assert(kMaxBlocks < kUnsent, "the low half of DeviceState::sent counts CT
 // thread that found the communicator faulted sent nothing; CTAs read the fault mask at different times): a
 // call not written whole is never delivered (layout.h, Mailbox). Every thread of the launch takes part.
 // `index`: which call of the launch this is (calls_of()), each counted apart (a CTA may be done with the second
-// while another still stores for the first).
-__device__ void ring_doorbell(const AllReduceArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
+// while another still stores for the first). Returns true in the one thread that counted the last CTA.
+__device__ bool ring_doorbell(const AllReduceArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
                               size_t span, bool sent) {
   __threadfence_system();  // this thread's image stores, before its CTA is counted
   const bool all_sent = __syncthreads_and(sent);
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x != 0) return false;
   uint32_t* const counter = s.sent + index;
   const uint32_t before = atomicAdd(counter, all_sent ? 1u : 1u + kUnsent);
-  if (before % kUnsent != gridDim.x - 1) return;
+  if (before % kUnsent != gridDim.x - 1) return false;
   *counter = 0;  // for the next launch, which starts after this one completed
-  if (!all_sent || before >= kUnsent) return;
-  __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
-  note(a, epoch, kKernelRing);
-  store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
+  if (all_sent && before < kUnsent) {
+    __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
+    note(a, epoch, kKernelRing);
+    store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
+  }
+  return true;
 }
 
 // At a timer read: 0 to keep waiting, or the fault that ends the wait (an earlier fault of this launch is
@@ -400,42 +404,6 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   end_launch(a, s, epoch, first);
 }
 
-// The gather of a sharded call (below): each peer's slot of call `call` (number `epoch`, using `buffer`), in format
-// G, as it arrives (its reduced shard, or its input for an all-gather) into our output; our own slot only if the
-// thread has failed (an all-gather's, which the push wrote: poisoned). The thread walks the slots' chunks as
-// first + k * stride.
-template <Format G, int W, bool kGather>
-__device__ __forceinline__ void gather_slots(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer,
-                                             uint32_t call, size_t first, size_t stride, bool failed) {
-  const Shards& sh = a.shards;
-  const int r = a.rank;
-  const size_t slot = sh.slot_chunks, slots = size_t(a.world) * slot;
-  char* const out = static_cast<char*>(a.out);
-  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
-  uint64_t deadline = 0;
-  for (size_t v = first; v < slots; v += stride) {
-    const int t = int(v / slot);
-    const size_t j = v % slot;
-    if (j >= sh.chunks_of(t) || t == r) {
-      if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
-      continue;
-    }
-    if (!failed) {
-      uint32_t got[W][kWireWords<G>];
-      failed = !receive<G, W>(a, s, epoch, buffer, call, v, 1u << t, calls_seen, deadline, got);
-      if (!failed) {
-        uint32_t w[4];
-#pragma unroll
-        for (int p = 0; p < W; ++p)
-          if (p == t) payload<G>(got[p], w);
-        store_words(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
-        continue;
-      }
-    }
-    store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
-  }
-}
-
 // Two-shot all-reduce, reduce-scatter and all-gather (layout.h, Shards), one launch each:
 //   push:   shard t of our input into our area of rank t's region, at slot t (a network peer's image: every shard
 //           but ours, as the host loop does); an all-gather: our shard, at our slot, into every peer's, and into
@@ -443,8 +411,8 @@ __device__ __forceinline__ void gather_slots(const AllReduceArgs& a, const Devic
 //   reset:  the footprint of the call before this launch, as one-shot;
 //   reduce: our shard, chunk by chunk once every peer's has arrived, in rank order as one-shot (the same bits);
 //           into our output, and for two-shot into every peer's region at our slot as well: with network peers
-//           as the launch's second call, the next number, in lines (calls_of(); its doorbell rung once every
-//           CTA has sent its part, as the first's);
+//           as the launch's second call, the next number (calls_of(); its doorbell rung once every CTA has sent
+//           its part, as the first's);
 //   gather: each peer's slot as it arrives (its reduced shard, or its input for an all-gather) into our output.
 // Deadlock-free as one-shot: every CTA pushes before it waits; the reduce waits only for pushes; the gather waits
 // only for the peers' reduce, which waits for nothing else; every CTA of a launch is resident at once. A thread
@@ -504,9 +472,9 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
   if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, call_span_bytes(second ? piece_call(a, 0) : a), !failed);
   reset_previous(a, s, epoch, last_buffer, first, stride);
 
+  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+  uint64_t deadline = 0;
   if constexpr (!kGather) {
-    uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
-    uint64_t deadline = 0;
     const uint32_t peers = peers_of(a);
     char* const mine = kTwoShot ? out + r * a.stride_bytes : out;  // our reduced shard's place in the output
     if (second && first == 0 && !failed) send_call_word<W>(a, last_buffer, last_call);
@@ -523,26 +491,52 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
           store_words(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
           if constexpr (kTwoShot) {
 #pragma unroll
-            for (int p = 0; p < W; ++p) {
-              if (p >= a.world || !(a.stores & (1u << p))) continue;
-              if (second)
-                send_chunk<Format::kLines>(area(a.peer[p], a.layout, last_buffer, p, r), r * slot + j, w, last_call);
-              else
-                send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), r * slot + j, w, call);
-            }
+            for (int p = 0; p < W; ++p)
+              if (p < a.world && (a.stores & (1u << p)))
+                send_chunk<F>(area(a.peer[p], a.layout, last_buffer, p, r), r * slot + j, w, last_call);
           }
           continue;
         }
       }
       store_poison(mine, j * kChunkBytes, sh.bytes_of(r), a.dtype);
     }
-    if (second) ring_doorbell(a, s, 1, last, last_buffer, call_span_bytes(piece_call(a, 1)), !failed);
+    if (second) {
+      // The gate: no thread polls for the second call's data (pinned host memory, across PCIe on a discrete GPU)
+      // while a CTA of ours still reduces: without it one launch a piece was no faster than two on one H200, with
+      // it faster (benchmarks/README.md). The last CTA counted opens it; one that waits past the timeout goes on.
+      if (ring_doorbell(a, s, 1, last, last_buffer, call_span_bytes(piece_call(a, 1)), !failed))
+        store_relaxed(s.reduced, last);
+      if (threadIdx.x == 0) {
+        const uint64_t deadline = global_timer_ns() + a.timeout_ns;
+        while (load_relaxed(s.reduced) != last && global_timer_ns() < deadline) {
+        }
+      }
+      __syncthreads();
+    }
   }
   if constexpr (kGather || kTwoShot) {
-    if (second)
-      gather_slots<Format::kLines, W, false>(a, s, last, last_buffer, last_call, first, stride, failed);
-    else
-      gather_slots<F, W, kGather>(a, s, epoch, buffer, call, first, stride, failed);
+    if (second) calls_seen = 0, deadline = 0;  // another call, its call words yet to be seen
+    for (size_t v = first; v < slots; v += stride) {
+      const int t = int(v / slot);
+      const size_t j = v % slot;
+      if (j >= sh.chunks_of(t) || t == r) {
+        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
+        continue;
+      }
+      if (!failed) {
+        uint32_t got[W][kWireWords<F>];
+        failed = !receive<F, W>(a, s, last, last_buffer, last_call, v, 1u << t, calls_seen, deadline, got);
+        if (!failed) {
+          uint32_t w[4];
+#pragma unroll
+          for (int p = 0; p < W; ++p)
+            if (p == t) payload<F>(got[p], w);
+          store_words(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
+          continue;
+        }
+      }
+      store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
+    }
   }
   end_launch(a, s, last, first);
 }

@@ -138,8 +138,8 @@ def _launches(store, rank, world, net):
     comm = _comm(store, rank, world, net)
     assert comm.two_shot(1), "ROCENANTE_ALGO=twoshot did not take"
     dev = gpus.device_of(rank)
-    # float32 elements of a piece: world slots, as many chunks each as the area holds (in lines over the network)
-    piece = CAPACITY // (world * 16 * (2 if net else 1)) * 4 * world
+    # float32 elements of a piece: world slots, as many chunks each as the area holds
+    piece = CAPACITY // (world * 16) * 4 * world
     inputs = [make_input(7, 0, r, 3 * piece, torch.float32) for r in range(world)]
     x = inputs[rank].to(dev)
     before = comm.issue(torch.zeros(world, device=dev))  # one piece, warming the kernel up
