@@ -211,11 +211,11 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 // shard is reduced, so sanitized: the Lamport format carries it; format_of(args)). The host loop makes them one
 // after the other. The kernel makes both in one launch: it pushes and rings call e, resets the buffer of the call
 // before, reduces its shard into its image of call e + 1 (with e + 1's call word), rings e + 1 once every CTA has
-// (a second count), then gathers. The peers and the proxy see
-// the calls as two launches would make them; the mailbox's slot per buffer holds, as e + 1 is rung only once the
-// peers' data of e is in. Only the reset differs: the launch leaves buffer e % 3 as call e left it (no CTA waits
-// for another, so none knows when the launch's reads of call e are over), where a launch of its own would reset
-// it during call e + 1. That buffer is next written by call e + 3, which a peer sends once it has our data of
+// (a second count), then gathers. The peers and the proxy see the calls as two launches would make them; the
+// mailbox's slot per buffer holds, as e + 1 is rung only once the peers' data of e is in. Only the reset differs:
+// the launch leaves buffer e % 3 as call e left it (no CTA knows for sure when the launch's reads of call e are
+// over: the gate before the gather, sharded_kernel, may give up at the timeout), where a launch of its own would
+// reset it during call e + 1. That buffer is next written by call e + 3, which a peer sends once it has our data of
 // e + 2; a reset would then have to come before the next launch's push, on its critical path. None is needed:
 // a network peer's words are read only after its delivery's signal, and a delivery writes its call word and
 // whole span before that (Mailbox), so nothing left there from call e is read by a later call of the buffer.
