@@ -469,7 +469,9 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
       }
     }
   }
-  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, call_span_bytes(second ? piece_call(a, 0) : a), !failed);
+  // Both calls of a two-shot piece span the same slots in the same format (piece_call()).
+  const size_t span = call_span_bytes(a);
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, span, !failed);
   reset_previous(a, s, epoch, last_buffer, first, stride);
 
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
@@ -504,7 +506,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a
       // The gate: no thread polls for the second call's data (pinned host memory, across PCIe on a discrete GPU)
       // while a CTA of ours still reduces: without it one launch a piece was no faster than two on one H200, with
       // it faster (benchmarks/README.md). The last CTA counted opens it; one that waits past the timeout goes on.
-      if (ring_doorbell(a, s, 1, last, last_buffer, call_span_bytes(piece_call(a, 1)), !failed))
+      if (ring_doorbell(a, s, 1, last, last_buffer, span, !failed))
         store_relaxed(s.reduced, last);
       if (threadIdx.x == 0) {
         const uint64_t deadline = global_timer_ns() + a.timeout_ns;
