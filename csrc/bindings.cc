@@ -25,7 +25,7 @@ bool python_signal_pending() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "rocenante core: one-shot all-reduce over shared memory and CUDA IPC";
+  m.doc() = "rocenante core: all-reduce, all-gather and reduce-scatter over shared memory, CUDA IPC and the network";
 
   auto base = py::register_exception<rocenante::Error>(m, "RocenanteError", PyExc_RuntimeError);
   py::register_exception<rocenante::InvalidArgument>(m, "InvalidArgument", PyExc_ValueError);

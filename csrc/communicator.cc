@@ -60,7 +60,7 @@ std::string describe_call(size_t count, DType dtype, ReduceOp op, Collective col
           : algorithm == Algorithm::kTwoShot       ? ", two-shot)"
                                                    : ")");
 }
-std::string describe_call(const AllReduceArgs& a) { return describe_call(a.count, a.dtype, a.op, a.collective, a.algorithm); }
+std::string describe_call(const CallArgs& a) { return describe_call(a.count, a.dtype, a.op, a.collective, a.algorithm); }
 
 // What every rank must agree on before any line moves; sent in front of the transport's handle.
 struct Config {
@@ -236,7 +236,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
     ROCENANTE_THROW(InvalidArgument, "unknown network " + std::to_string(uint32_t(net)));
   if (signal != Signal::kFlag && signal != Signal::kCompletion && signal != Signal::kFlagFirst)
     ROCENANTE_THROW(InvalidArgument, "unknown network signal " + std::to_string(uint32_t(signal)));
-  if (device_ >= 0) kernel_ = make_oneshot_kernel(device_, world_, first_epoch_);
+  if (device_ >= 0) kernel_ = make_collective_kernel(device_, world_, first_epoch_);
   if constexpr (kTimeline) {
     timeline_ = std::make_shared<Timeline>();
     void* address = nullptr;
@@ -331,8 +331,8 @@ const char* Communicator::validate_local(Collective c, uintptr_t in, uintptr_t o
   return nullptr;
 }
 
-AllReduceArgs Communicator::call_args(DType dtype, ReduceOp op) const {
-  AllReduceArgs a{};
+CallArgs Communicator::call_args(DType dtype, ReduceOp op) const {
+  CallArgs a{};
   a.dtype = dtype;
   a.op = op;
   a.rank = rank_;
@@ -362,13 +362,13 @@ void Communicator::check_issuable(DType dtype, ReduceOp op) {
 // are taken the peers count the calls as made, so anything that stops them from going out faults the communicator
 // and tells them: else this rank's next call would pair with their call of this number, silently where the two
 // look alike.
-uint64_t Communicator::issue(const AllReduceArgs& a, uintptr_t stream, uint32_t& epoch) {
+uint64_t Communicator::issue(const CallArgs& a, uintptr_t stream, uint32_t& epoch) {
   const uint32_t first = next_epoch(issued_);
   epoch = calls_of(a) == 2 ? next_epoch(first) : first;
   issued_ = epoch;
   try {
     if (kernel_ == nullptr) {
-      const uint64_t fault = host_allreduce(a, first, reset_footprint_, interrupt_check_);
+      const uint64_t fault = host_collective(a, first, reset_footprint_, interrupt_check_);
       reset_footprint_ = footprint_of(a);
       return fault;
     }
@@ -411,7 +411,7 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
     poison_host(reinterpret_cast<void*>(out), out_bytes, dtype);
   check_issuable(dtype, op);
   if (count == 0) return issued_;  // nothing issued: it completes with the call before
-  AllReduceArgs a = call_args(dtype, op);
+  CallArgs a = call_args(dtype, op);
   a.collective = c;
   a.algorithm = c == Collective::kAllReduce ? algorithm_for(count * esize) : Algorithm::kOneShot;
   const std::string what = describe_call(count * (c == Collective::kAllReduce ? 1 : world_), dtype, op, c, a.algorithm);
@@ -513,7 +513,7 @@ uint32_t Communicator::all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_i
     refuse(describe_call(count, dtype, ReduceOp::kSum, Collective::kFusedAllReduce) + ": " + why);
   }
 
-  AllReduceArgs a = call_args(dtype, ReduceOp::kSum);
+  CallArgs a = call_args(dtype, ReduceOp::kSum);
   a.count = count;
   a.bytes = count * dtype_size(dtype);
   a.in = reinterpret_cast<const void*>(in);
@@ -585,7 +585,7 @@ uint64_t Communicator::current_fault() {
     // CPU: a peer's fault reaches this rank's region as an abort word, which a call whose data had all arrived
     // did not read. Every later call and check() read it here, so that no rank goes on past a peer's fault.
     if (transport_ == nullptr) return 0;
-    AllReduceArgs a{};
+    CallArgs a{};
     a.rank = rank_;
     a.world = world_;
     a.local = transport_->local_region();
@@ -712,7 +712,7 @@ class Releaser {
   }
 
   // Destroys `transport`, then `kernel`, on the thread; returns once done or after kReleaseWaitS.
-  void release(std::unique_ptr<Transport> transport, std::unique_ptr<OneshotKernel> kernel) {
+  void release(std::unique_ptr<Transport> transport, std::unique_ptr<CollectiveKernel> kernel) {
     if (getpid() != creator_) {  // a forked child: the thread is the parent's
       transport.reset();
       kernel.reset();
@@ -731,7 +731,7 @@ class Releaser {
  private:
   struct Job {
     std::unique_ptr<Transport> transport;
-    std::unique_ptr<OneshotKernel> kernel;
+    std::unique_ptr<CollectiveKernel> kernel;
     std::shared_ptr<std::promise<void>> done;
   };
 

@@ -1,5 +1,6 @@
-// A group of `world` ranks that all-reduce with the one-shot protocol. CPU tensors are reduced by the host loop,
-// GPU tensors by the kernel; peers are reached directly (shared memory, CUDA IPC: one host) or through a network
+// A group of `world` ranks that run collectives (all-reduce one-shot or two-shot, all-gather, reduce-scatter) with
+// the protocol of layout.h. CPU tensors are served by the host loop (host_collective.h), GPU tensors by the kernels
+// (device/collective_kernel.h); peers are reached directly (shared memory, CUDA IPC: one host) or through a network
 // wire driven by a proxy thread (RDMA, the TCP software wire).
 // The communicator itself is torch-free: raw pointers, dtype enums, streams as integers.
 #pragma once
@@ -12,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "allreduce_args.h"
-#include "device/oneshot_kernel.h"
-#include "host_allreduce.h"
+#include "call_args.h"
+#include "device/collective_kernel.h"
+#include "host_collective.h"
 #include "layout.h"
 #include "transport/transport.h"
 #include "watchdog.h"
@@ -79,13 +80,13 @@ class Communicator : public Watched {
   Algorithm algorithm_for(size_t bytes) const;
   uint32_t twoshot_from_bytes() const { return twoshot_from_; }
   // Whether all_reduce_add_rmsnorm() serves `count` elements of `dtype` in rows of `hidden`: a GPU communicator,
-  // and a call the kernel fuses (fuses_add_rmsnorm(), device/oneshot_kernel.h) of one piece. It depends only on
+  // and a call the kernel fuses (fuses_add_rmsnorm(), device/collective_kernel.h) of one piece. It depends only on
   // what every rank's call shares, so every rank answers alike.
   bool fuses_add_rmsnorm(size_t count, size_t hidden, DType dtype) const;
   // FlashInfer's kARResidualRMSNorm as one kernel: the sum over ranks of `count` elements of `in`, in rows of
   // `hidden`, with residual_in added (residual_out) and RMSNorm applied (norm_out = residual_out * rsqrt(mean of
   // squares + eps) * (weight_bias + gamma)); the sum itself is not written. Rounding as the all-reduce followed
-  // by torch's ops (AllReduceArgs's RowNorm). Enqueued as all_reduce() enqueues; a call fuses_add_rmsnorm()
+  // by torch's ops (CallArgs's RowNorm). Enqueued as all_reduce() enqueues; a call fuses_add_rmsnorm()
   // refuses is refused alike on every rank (the communicator stays usable); the peers must make the same fused
   // call (the call word says so). residual_out or norm_out may be `in`, residual_in or each other.
   uint32_t all_reduce_add_rmsnorm(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
@@ -138,11 +139,11 @@ class Communicator : public Watched {
   const char* validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
                              uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;
   // The arguments every call of this communicator shares (its rank, regions, transports, timeout).
-  AllReduceArgs call_args(DType dtype, ReduceOp op) const;
+  CallArgs call_args(DType dtype, ReduceOp op) const;
   // Raises what stops a call before it is numbered: closed, faulted, a dtype or op refused alike everywhere.
   void check_issuable(DType dtype, ReduceOp op);
   // Numbers one call of the protocol and issues it (communicator.cc); the host loop's fault, else 0.
-  uint64_t issue(const AllReduceArgs& a, uintptr_t stream, uint32_t& epoch);
+  uint64_t issue(const CallArgs& a, uintptr_t stream, uint32_t& epoch);
   // In a process forked from the creator (fork() after the communicator was built): every call raises, and
   // close() releases nothing the creator shares (communicator.cc).
   bool in_forked_child() const;
@@ -175,13 +176,13 @@ class Communicator : public Watched {
   uint32_t first_epoch_;
   Signal signal_;  // of the network path; Signal::kFlag when every peer is direct (Config)
   uint32_t twoshot_from_;
-  uint32_t network_ = 0;  // peers reached through the network (AllReduceArgs::network)
-  uint32_t stores_ = 0;   // peers this rank stores to (AllReduceArgs::stores)
+  uint32_t network_ = 0;  // peers reached through the network (CallArgs::network)
+  uint32_t stores_ = 0;   // peers this rank stores to (CallArgs::stores)
   std::shared_ptr<Timeline> timeline_;  // timeline builds: host memory the proxy records into
   Timeline* reducer_timeline_ = nullptr;  // ... and the reducer's address of it (the kernel's mapping, or it)
   std::shared_ptr<void> timeline_mapping_;
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<OneshotKernel> kernel_;  // GPU communicators only
+  std::unique_ptr<CollectiveKernel> kernel_;  // GPU communicators only
   std::mutex issue_;                       // one call issued at a time: issue order is execution order
   // Guards kernel_ and transport_ for what runs beside the calls (check(), faulted_by(), stream_done(), the
   // watchdog's watch(), from any thread, the GIL not held): shared there, exclusive where close() resets them.

@@ -197,7 +197,7 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 
 // The collectives, and how an all-reduce moves its data (protocol v3):
 //   all-reduce, one-shot: every rank pushes its whole input into its area of every peer's region; each rank
-//     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (AllReduceArgs).
+//     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (CallArgs).
 //   all-reduce, two-shot: the tensor is cut into `world` shards (Shards, below); every rank pushes shard p of its
 //     input into peer p's region, reduces its own shard from every rank's, and pushes the reduced shard into every
 //     peer's region; each rank then holds every reduced shard. Each element is reduced by one rank, in rank order
@@ -205,7 +205,7 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 //   reduce-scatter: the first exchange of two-shot, each rank's output its own reduced shard.
 //   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
 // Over a network wire a delivery carries one call, so there a two-shot piece is two calls, numbers e and e + 1
-// (calls_of(), allreduce_args.h): a reduce-scatter that leaves each rank's reduced shard in its place in the
+// (calls_of(), call_args.h): a reduce-scatter that leaves each rank's reduced shard in its place in the
 // output, then an all-gather of that shard. Both carry the two-shot signature, so a peer that makes another call
 // differs at the first, and the second is never mistaken for a call of its own; and both the dtype's format (the
 // shard is reduced, so sanitized: the Lamport format carries it; format_of(args)). The host loop makes them one
@@ -251,7 +251,7 @@ static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the larg
 
 // Format of a call's data in the areas: an all-gather returns every bit it was given (-0.0 and NaN payloads
 // included), which the Lamport format cannot carry (its empty word is a float's -0.0), so it travels as lines
-// (but a two-shot piece's second call: format_of(args), allreduce_args.h); the reductions as format_of(dtype).
+// (but a two-shot piece's second call: format_of(args), call_args.h); the reductions as format_of(dtype).
 constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
   return c == Collective::kAllGather ? Format::kLines : format_of(t);
 }

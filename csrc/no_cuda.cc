@@ -1,11 +1,11 @@
 // Built instead of the CUDA sources when no CUDA compiler was found: GPU communicators are refused clearly.
-#include "device/oneshot_kernel.h"
+#include "device/collective_kernel.h"
 #include "errors.h"
 #include "transport/transport.h"
 
 namespace rocenante {
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int, int, uint32_t) {
+std::unique_ptr<CollectiveKernel> make_collective_kernel(int, int, uint32_t) {
   ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
 }
 

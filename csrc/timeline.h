@@ -2,7 +2,7 @@
 // per call, when its steps happened, on the GPU's %globaltimer (the kernel's events) and on the host's
 // CLOCK_REALTIME (the proxy's events, and the host loop's, which records the kernel's events for CPU tensors),
 // both in nanoseconds. benchmarks/net_breakdown.py reads it (Communicator.timeline()) to split a
-// call's time into staging, doorbell, wire and arrival; OneshotKernel::clock_offset_ns() relates the two clocks.
+// call's time into staging, doorbell, wire and arrival; CollectiveKernel::clock_offset_ns() relates the two clocks.
 // A slot is overwritten kTimelineSlots calls later; events of a call that did not happen stay 0.
 #pragma once
 

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "../allreduce_args.h"
+#include "../call_args.h"
 #include "../chunk_reduce.h"
 #include "../fault.h"
 #include "memory_order.cuh"
@@ -61,10 +61,10 @@ __device__ inline void store_poison(void* base, size_t begin, size_t bytes, DTyp
 }
 
 // Chunk c of the input, of the output.
-__device__ inline void load_chunk(const AllReduceArgs& a, size_t c, uint32_t (&w)[4]) {
+__device__ inline void load_chunk(const CallArgs& a, size_t c, uint32_t (&w)[4]) {
   load_words(a.in, c * kChunkBytes, a.bytes, a.dtype, w);
 }
-__device__ inline void store_chunk(const AllReduceArgs& a, size_t c, const uint32_t (&w)[4]) {
+__device__ inline void store_chunk(const CallArgs& a, size_t c, const uint32_t (&w)[4]) {
   store_words(a.out, c * kChunkBytes, a.bytes, a.dtype, w);
 }
 

@@ -1,11 +1,11 @@
-// What the one-shot kernel (oneshot_allreduce.cu) and its host-side launcher (launch.cc) share: the state the
+// What the collective kernels (collective_kernels.cu) and its host-side launcher (launch.cc) share: the state the
 // kernel keeps between launches, which the launcher allocates, and the kernels' addresses, by which the launcher
 // launches them without compiling device code.
 #pragma once
 
 #include <cstdint>
 
-#include "../allreduce_args.h"
+#include "../call_args.h"
 #include "../fault.h"
 #include "../layout.h"
 
@@ -22,7 +22,7 @@ struct DeviceState {
   // only CTA that reads it, so all copies stay equal without any synchronisation between CTAs.
   uint32_t* epochs;
   int copies;  // epoch copies in use: the most CTAs a launch of this communicator has
-  // Device word, never cleared: kFaulted | kNotATimeout? (oneshot_allreduce.cu) | bit mask of peers a thread
+  // Device word, never cleared: kFaulted | kNotATimeout? (collective_kernels.cu) | bit mask of peers a thread
   // gave up on. Threads poll it at their timer reads; a launch that finds it set poisons its whole output.
   uint32_t* fault_mask;
   // footprints[b]: footprint_of() the last call that used buffer b, which the next call resets (layout.h).
@@ -30,7 +30,7 @@ struct DeviceState {
   // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
   FaultRecord* record;
   // Network peers, per call of the launch (calls_of(): sent[0], sent[1]): CTAs that have finished their stores of
-  // that call into the images, and those of them that sent nothing (oneshot_allreduce.cu, ring_doorbell()).
+  // that call into the images, and those of them that sent nothing (collective_kernels.cu, ring_doorbell()).
   uint32_t* sent;
   // Launches that make two calls: the last call of the latest one whose every CTA had reduced its part (the
   // gate before the second call's polls, sharded_kernel); kNoEpoch at first.
@@ -41,7 +41,7 @@ struct DeviceState {
 // sharded collectives (sharded_kernel).
 enum class Variant : int { kOneShot = 0, kFused, kTwoShot, kReduceScatter, kAllGather };
 constexpr int kNumVariants = 5;
-inline Variant variant_of(const AllReduceArgs& a) {
+inline Variant variant_of(const CallArgs& a) {
   switch (a.collective) {
     case Collective::kFusedAllReduce: return Variant::kFused;
     case Collective::kAllGather: return Variant::kAllGather;

@@ -1,6 +1,6 @@
-// The host side of the one-shot kernel (OneshotKernel, oneshot_kernel.h): it allocates the kernel's state
+// The host side of the collective kernels (CollectiveKernel, collective_kernel.h): it allocates the kernel's state
 // (device_state.h), shapes and launches each call, orders calls across streams, and waits for the communicator's
-// launches when it closes. Host code only: it launches the kernels (oneshot_allreduce.cu) by their addresses.
+// launches when it closes. Host code only: it launches the kernels (collective_kernels.cu) by their addresses.
 #include <cuda_runtime.h>  // the runtime's C++ API (typed cudaMalloc), for the host compiler too
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include "../fault.h"
 #include "clock_offset.h"
 #include "device_state.h"
-#include "oneshot_kernel.h"
+#include "collective_kernel.h"
 
 namespace rocenante {
 namespace {
@@ -26,7 +26,7 @@ struct LaunchShape {
 
 // One 16-byte chunk per thread: a single CTA (a whole number of warps) for small messages, then CTAs of
 // kThreads up to max_blocks.
-LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
+LaunchShape chunk_shape(size_t bytes, int max_blocks) {
   const size_t chunks = std::max<size_t>(1, (bytes + kChunkBytes - 1) / kChunkBytes);
   if (chunks <= size_t(kThreads)) return {1, int((chunks + 31) / 32 * 32)};
   const size_t blocks = std::min<size_t>((chunks + kThreads - 1) / kThreads, size_t(max_blocks));
@@ -35,7 +35,7 @@ LaunchShape oneshot_shape(size_t bytes, int max_blocks) {
 
 // Fused calls: a CTA per row, up to max_blocks (then CTAs take several rows in turn), of the threads that hold
 // the row's chunks (row_split()) rounded up to a whole warp (block_sum()).
-LaunchShape fused_shape(const AllReduceArgs& a, int max_blocks) {
+LaunchShape fused_shape(const CallArgs& a, int max_blocks) {
   const RowSplit split = row_split(uint32_t(a.norm.hidden * dtype_size(a.dtype) / kChunkBytes));
   const size_t rows = a.count / a.norm.hidden;
   return {int(std::min<size_t>(rows, size_t(max_blocks))), int((split.threads + 31) / 32 * 32)};
@@ -63,9 +63,9 @@ LaunchBounds launch_bounds(int world, int multiprocessors) {
   return bounds;
 }
 
-class CudaOneshotKernel final : public OneshotKernel {
+class CudaCollectiveKernel final : public CollectiveKernel {
  public:
-  CudaOneshotKernel(int device, int world, uint32_t first_epoch) : device_(device) {
+  CudaCollectiveKernel(int device, int world, uint32_t first_epoch) : device_(device) {
     DeviceGuard guard(device_);
     try {
       int multiprocessors = 0;
@@ -101,7 +101,7 @@ class CudaOneshotKernel final : public OneshotKernel {
     }
   }
 
-  ~CudaOneshotKernel() override {
+  ~CudaCollectiveKernel() override {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
@@ -118,17 +118,17 @@ class CudaOneshotKernel final : public OneshotKernel {
     cudaSetDevice(previous);
   }
 
-  bool launch(const AllReduceArgs& args, uintptr_t stream_handle) override {
+  bool launch(const CallArgs& args, uintptr_t stream_handle) override {
     DeviceGuard guard(device_);
     const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     order_after_previous_call(stream);
-    const AllReduceArgs& a = args;
+    const CallArgs& a = args;
     const Variant variant = variant_of(a);
     const int max_blocks = max_blocks_[int(a.dtype)][int(a.op)][int(variant)];
     // A sharded call's threads walk the slots' chunks (sharded_kernel).
     const LaunchShape shape = variant == Variant::kFused ? fused_shape(a, max_blocks)
-                              : sharded(a) ? oneshot_shape(a.world * a.shards.slot_chunks * kChunkBytes, max_blocks)
-                                           : oneshot_shape(a.bytes, max_blocks);
+                              : sharded(a) ? chunk_shape(a.world * a.shards.slot_chunks * kChunkBytes, max_blocks)
+                                           : chunk_shape(a.bytes, max_blocks);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;
@@ -141,7 +141,7 @@ class CudaOneshotKernel final : public OneshotKernel {
     // A plain call always has a kernel: the communicator refuses int32 avg before (validate_shared()).
     const void* kernel = kernel_entry(a.dtype, a.op, a.world, variant);
     if (kernel == nullptr) ROCENANTE_THROW(InvalidArgument, "the fused add + RMSNorm serves sums of float dtypes");
-    AllReduceArgs args_copy = a;  // the kernel's parameters, by value
+    CallArgs args_copy = a;  // the kernel's parameters, by value
     DeviceState state = state_;
     void* parameters[] = {&args_copy, &state};
     ROCENANTE_CHECK_CUDA(cudaLaunchKernelExC(&config, kernel, parameters));
@@ -251,8 +251,8 @@ class CudaOneshotKernel final : public OneshotKernel {
 
 }  // namespace
 
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world, uint32_t first_epoch) {
-  return std::make_unique<CudaOneshotKernel>(device, world, first_epoch);
+std::unique_ptr<CollectiveKernel> make_collective_kernel(int device, int world, uint32_t first_epoch) {
+  return std::make_unique<CudaCollectiveKernel>(device, world, first_epoch);
 }
 
 }  // namespace rocenante

@@ -1,15 +1,15 @@
-// The fused add + RMSNorm's side of the kernel (AllReduceArgs::norm, oneshot_allreduce.cu): which chunks of a
+// The fused add + RMSNorm's side of the kernel (CallArgs::norm, collective_kernels.cu): which chunks of a
 // row a thread holds, and the row's norm once the CTA holds the whole row.
 #pragma once
 
 #include <cstdint>
 
 #include "chunk_io.cuh"
-#include "oneshot_kernel.h"
+#include "collective_kernel.h"
 
 namespace rocenante {
 
-// A walk (as Strided, oneshot_allreduce.cu) for fused calls: CTA b takes rows b, b + gridDim.x, ...; of each,
+// A walk (as Strided, collective_kernels.cu) for fused calls: CTA b takes rows b, b + gridDim.x, ...; of each,
 // its thread t the chunks t + m * split.threads that lie within the row (m < split.per_thread). The cursor
 // counts a thread's (row, m) pairs.
 constexpr size_t kNoChunk = ~size_t(0);
@@ -49,7 +49,7 @@ __device__ inline float block_sum(float v) {
 // the dtype) and the sum of their squares: the CTA adds up the squares, then every thread writes its chunks of
 // norm_out = residual_out * rsqrt(mean + eps) * (weight_bias + gamma), in fp32, rounded once.
 template <DType D>
-__device__ __forceinline__ void write_norm(const AllReduceArgs& a, const Rows& rows, size_t row,
+__device__ __forceinline__ void write_norm(const CallArgs& a, const Rows& rows, size_t row,
                                            const uint32_t (&v)[kMaxRowChunks][4], float squares) {
   using C = Chunk<D>;
   const RowNorm& n = a.norm;

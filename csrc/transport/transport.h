@@ -1,5 +1,5 @@
 // How a rank's data reaches its peers. A transport only maps memory; the protocol (layout.h) and the
-// reduction (host_allreduce.cc, device/oneshot_allreduce.cu) are the same whichever transport carried it.
+// reduction (host_collective.cc, device/collective_kernels.cu) are the same whichever transport carried it.
 //
 // Lifecycle, driven by the communicator with a rendezvous store in between:
 //   1. construct: allocate this rank's receive region, sized by RegionLayout::region_bytes() and filled with
@@ -166,7 +166,7 @@ std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, co
 // delivery's segments are placed in random order, 16-bit half by half, so that a format relying on placement
 // order or word atomicity fails its tests. The region and image are host memory.
 std::unique_ptr<Wire> make_tcp_wire(int rank, const RegionLayout& layout, Signal signal);
-// Maps host memory [host, host + bytes) for a kernel (OneshotKernel::map_host, device/oneshot_kernel.h): its
+// Maps host memory [host, host + bytes) for a kernel (CollectiveKernel::map_host, device/collective_kernel.h): its
 // device address in `device_address`; the mapping lasts as long as the returned handle.
 using MapHost = std::function<std::shared_ptr<void>(void* host, size_t bytes, void*& device_address)>;
 // Drives `wire` from a proxy thread (proxy.cc): the transport that the reducer uses. `map_host` empty: the host

@@ -22,7 +22,7 @@
 //     single-copy-atomic 64-bit accesses (Arm ARM, "Single-copy atomicity").
 //   - Line halves {data, flag} (int32) and call words are C++ atomics (8 and 4 bytes).
 // Placement order is never relied on: a block is reduced only once every one of its words has arrived.
-#include "host_allreduce.h"
+#include "host_collective.h"
 
 #include <sched.h>
 
@@ -108,7 +108,7 @@ inline void store_block(void* base, size_t bytes, size_t c0, size_t n, const Wor
 // core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
-  Backoff(const AllReduceArgs& a, InterruptCheck interrupted)
+  Backoff(const CallArgs& a, InterruptCheck interrupted)
       : a_(a), interrupted_(interrupted), start_(Clock::now()),
         deadline_(start_ + std::chrono::nanoseconds(a.timeout_ns)) {}
   // 0 to keep waiting for the peers in `pending`, or the fault that ends the wait (kPeerTimeout's detail is left
@@ -144,7 +144,7 @@ class Backoff {
   static constexpr std::chrono::nanoseconds kMinSpin{1000}, kMaxSpin{50000};
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
   static thread_local std::chrono::nanoseconds spin_;
-  const AllReduceArgs& a_;
+  const CallArgs& a_;
   InterruptCheck interrupted_;
   Clock::time_point start_, deadline_;
   Clock::time_point next_signal_check_{};
@@ -160,7 +160,7 @@ thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 // pending). The set, not one peer at a time: a peer whose process ended fails a wait while it is in the set, so a
 // wait that also needs a late but live peer still fails at once (the kernel's receive() likewise).
 template <class Arrived>
-uint64_t wait_for(const AllReduceArgs& a, uint32_t pending, InterruptCheck interrupted, Arrived arrived) {
+uint64_t wait_for(const CallArgs& a, uint32_t pending, InterruptCheck interrupted, Arrived arrived) {
   arrived(pending);
   if (pending == 0) return 0;  // the common case: no clock read
   Backoff backoff(a, interrupted);
@@ -321,7 +321,7 @@ void put_chunks(uint32_t* dst, size_t c0, size_t n, const Words* staged, uint32_
 struct Destinations {
   uint32_t* area[kMaxRanks];
   int count = 0;
-  Destinations(const AllReduceArgs& a, int buffer, uint32_t peers) {
+  Destinations(const CallArgs& a, int buffer, uint32_t peers) {
     for (int p = 0; p < a.world; ++p)
       if (peers & (1u << p)) area[count++] = rocenante::area(a.peer[p], a.layout, buffer, p, a.rank);
   }
@@ -341,10 +341,10 @@ void send(const Destinations& to, const void* src, size_t bytes, size_t at, uint
 }
 
 // The push (step 1): this rank's data of the call into every peer's area (layout.h, Shards). A network peer's
-// area is our image of its region, one for the peers below us and one for those above (AllReduceArgs::stores),
+// area is our image of its region, one for the peers below us and one for those above (CallArgs::stores),
 // so what each of those peers reads from it is written there: every shard but ours.
 template <DType D>
-void push(const AllReduceArgs& a, int buffer, uint32_t call) {
+void push(const CallArgs& a, int buffer, uint32_t call) {
   constexpr Format F = format_of(D);
   const Shards& sh = a.shards;
   if (!sharded(a)) {
@@ -370,7 +370,7 @@ void push(const AllReduceArgs& a, int buffer, uint32_t call) {
 // Waits until chunks [at, at + chunks) of the area of every peer in `from` (bit s: areas[s], peer s's area in our
 // region) have all arrived; 0 or the fault.
 template <Format F>
-uint64_t wait_chunks(const AllReduceArgs& a, const uint32_t* const* areas, uint32_t from, size_t at, size_t chunks,
+uint64_t wait_chunks(const CallArgs& a, const uint32_t* const* areas, uint32_t from, size_t at, size_t chunks,
                      uint32_t call, InterruptCheck interrupted) {
   size_t next[kMaxRanks];  // per peer, the first chunk not yet seen whole
   std::fill(next, next + kMaxRanks, at);
@@ -386,7 +386,7 @@ uint64_t wait_chunks(const AllReduceArgs& a, const uint32_t* const* areas, uint3
 // waited for block by block), into `out`; each block of results is also sent to `forward` (two-shot's second
 // exchange). `done`: bytes of `out` written.
 template <DType D, ReduceOp Op>
-uint64_t reduce(const AllReduceArgs& a, const uint32_t* const* areas, size_t at, const void* in, void* out,
+uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, const void* in, void* out,
                 size_t bytes, uint32_t call, const Destinations* forward, InterruptCheck interrupted, size_t& done) {
   constexpr Format F = format_of(D);
   using R = Reducer<D, Op>;
@@ -416,7 +416,7 @@ uint64_t reduce(const AllReduceArgs& a, const uint32_t* const* areas, size_t at,
 // Copies `bytes` bytes that `source` sent as chunks [at, ...) of its area (areas[source]) into `out`, block by
 // block as they arrive.
 template <Format F>
-uint64_t gather(const AllReduceArgs& a, const uint32_t* const* areas, int source, size_t at, void* out, size_t bytes,
+uint64_t gather(const CallArgs& a, const uint32_t* const* areas, int source, size_t at, void* out, size_t bytes,
                 uint32_t call, InterruptCheck interrupted) {
   const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
   Words staged[kBlockChunks];
@@ -431,7 +431,7 @@ uint64_t gather(const AllReduceArgs& a, const uint32_t* const* areas, int source
 
 // The pull (step 3). `done`: bytes of a one-shot call's output written (the rest is poisoned on a fault).
 template <DType D, ReduceOp Op>
-uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted, size_t& done) {
+uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, size_t& done) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   done = 0;
@@ -489,8 +489,8 @@ uint64_t pull(const AllReduceArgs& a, uint32_t epoch, InterruptCheck interrupted
   return 0;
 }
 
-// One call of the protocol (host_allreduce() runs a piece's calls).
-uint64_t host_call(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
+// One call of the protocol (host_collective() runs a piece's calls).
+uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   note(a.timeline, epoch, kKernelStart);
@@ -542,9 +542,9 @@ void poison_host(void* begin, size_t bytes, DType dtype) {
     std::memcpy(static_cast<char*>(begin) + b, &word, std::min(sizeof(word), bytes - b));
 }
 
-uint64_t host_allreduce(const AllReduceArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
+uint64_t host_collective(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
   if (calls_of(a) == 1) return host_call(a, epoch, reset, interrupted);
-  const AllReduceArgs scatter = piece_call(a, 0);
+  const CallArgs scatter = piece_call(a, 0);
   if (const uint64_t fault = host_call(scatter, epoch, reset, interrupted)) return fault;
   return host_call(piece_call(a, 1), next_epoch(epoch), footprint_of(scatter), interrupted);
 }

@@ -10,7 +10,8 @@
 namespace rocenante {
 
 // The residual add and RMSNorm fused into the kernel (FlashInfer's kARResidualRMSNorm), for GPU calls of one
-// piece whose rows fit the kernel's bound (OneshotKernel::fuses()). Per row of `hidden` elements of the sum s:
+// piece whose rows fit the kernel's bound (fuses_add_rmsnorm(), device/collective_kernel.h). Per row of `hidden`
+// elements of the sum s:
 //   residual_out = s + residual_in                   (s rounded to the dtype, the add in fp32, rounded)
 //   norm_out = residual_out * rsqrt(mean(residual_out^2) + eps) * (weight_bias + gamma)   (fp32, rounded)
 // the same rounding points as the plain all-reduce followed by the caller's torch ops. The plain output (out)
@@ -26,7 +27,7 @@ struct RowNorm {
 };
 
 // Every call of the protocol (a piece of a collective), whatever the collective.
-struct AllReduceArgs {
+struct CallArgs {
   const void* in;
   void* out;  // may equal `in` (an all-reduce)
   size_t count;  // elements of the whole tensor (an all-gather's output, a reduce-scatter's input)
@@ -60,26 +61,26 @@ struct AllReduceArgs {
 };
 
 // Whether a call cuts its tensor into shards (Shards, layout.h), and the format its data travels in.
-ROCENANTE_HD bool sharded(const AllReduceArgs& a) {
+ROCENANTE_HD bool sharded(const CallArgs& a) {
   return a.collective == Collective::kAllGather || a.collective == Collective::kReduceScatter ||
          a.algorithm == Algorithm::kTwoShot;
 }
 // A two-shot piece's calls carry the dtype's format: its second call, an all-gather, gathers reduced shards, which
 // are sanitized (layout.h), so the Lamport format carries every bit of them.
-ROCENANTE_HD Format format_of(const AllReduceArgs& a) {
+ROCENANTE_HD Format format_of(const CallArgs& a) {
   return a.algorithm == Algorithm::kTwoShot ? format_of(a.dtype) : format_of(a.collective, a.dtype);
 }
 // Every rank of the call but this one (bit p: rank p).
-ROCENANTE_HD uint32_t peers_of(const AllReduceArgs& a) { return ((1u << a.world) - 1) & ~(1u << a.rank); }
+ROCENANTE_HD uint32_t peers_of(const CallArgs& a) { return ((1u << a.world) - 1) & ~(1u << a.rank); }
 // Calls of the protocol a piece makes: two for a two-shot all-reduce over a network wire, one otherwise (layout.h:
 // a delivery carries one call).
-ROCENANTE_HD int calls_of(const AllReduceArgs& a) {
+ROCENANTE_HD int calls_of(const CallArgs& a) {
   return a.collective == Collective::kAllReduce && a.algorithm == Algorithm::kTwoShot && a.network != 0 ? 2 : 1;
 }
 // Call i of a piece that makes two, as a call of its own: 0, a reduce-scatter that leaves our reduced shard in its
 // place in the output; 1, an all-gather of that shard. Both keep the piece's two-shot signature and format.
-ROCENANTE_HD AllReduceArgs piece_call(const AllReduceArgs& a, int i) {
-  AllReduceArgs c = a;
+ROCENANTE_HD CallArgs piece_call(const CallArgs& a, int i) {
+  CallArgs c = a;
   char* const ours = static_cast<char*>(a.out) + size_t(a.rank) * a.stride_bytes;
   c.collective = i == 0 ? Collective::kReduceScatter : Collective::kAllGather;
   if (i == 0) c.out = ours;
@@ -88,11 +89,11 @@ ROCENANTE_HD AllReduceArgs piece_call(const AllReduceArgs& a, int i) {
 }
 // What the call writes into each area of its buffer (layout.h, footprint_ranges()); of a piece that makes two
 // calls, what each does.
-ROCENANTE_HD uint32_t footprint_of(const AllReduceArgs& a) {
+ROCENANTE_HD uint32_t footprint_of(const CallArgs& a) {
   return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));
 }
 // Bytes of each area the call may write: what a network peer's wire delivers.
-ROCENANTE_HD size_t call_span_bytes(const AllReduceArgs& a) {
+ROCENANTE_HD size_t call_span_bytes(const CallArgs& a) {
   return sharded(a) ? slots_span_bytes(a.shards, a.world, format_of(a)) : span_bytes(a.bytes, a.dtype);
 }
 
@@ -103,7 +104,7 @@ ROCENANTE_HD size_t call_span_bytes(const AllReduceArgs& a) {
 // waits for one of them.
 // Returns the fault to record, or 0 to keep waiting.
 template <class Load>
-ROCENANTE_HD uint64_t abort_seen(const AllReduceArgs& a, uint32_t pending, Load load) {
+ROCENANTE_HD uint64_t abort_seen(const CallArgs& a, uint32_t pending, Load load) {
   const auto whole = [&](int source) {
     const uint64_t w = load(abort_word(a.local, source));
     return w != 0 && abort_whole(w, load(abort_check(a.local, source))) ? w : 0;

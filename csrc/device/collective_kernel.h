@@ -1,12 +1,12 @@
 // The GPU engine of a communicator, seen from CUDA-free host code: it owns the kernel's device state and
-// launches one kernel per all-reduce. Without CUDA, make_oneshot_kernel throws.
+// launches one kernel per call (a piece of any collective). Without CUDA, make_collective_kernel throws.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
-#include "../allreduce_args.h"
+#include "../call_args.h"
 #include "../fault.h"
 
 namespace rocenante {
@@ -14,7 +14,7 @@ namespace rocenante {
 // Most threads per CTA (the kernel's launch bound); small plain calls use fewer, a multiple of a warp.
 constexpr int kThreads = 256;
 
-// The fused add + RMSNorm (AllReduceArgs::norm): a CTA reduces whole rows, and keeps a row in registers until
+// The fused add + RMSNorm (CallArgs::norm): a CTA reduces whole rows, and keeps a row in registers until
 // its sum of squares is known; each of its threads holds at most kMaxRowChunks of the row's 16-byte chunks.
 // 8 keeps the row at 32 registers a thread (beside the peers' words of the chunk it waits for: up to 32 at
 // world 8) and takes rows of up to 32 KiB: hidden 16384 in bf16/fp16, 8192 in fp32. Longer rows are not fused.
@@ -41,14 +41,14 @@ inline bool fuses_add_rmsnorm(size_t count, size_t hidden, DType dtype, size_t p
          count * dtype_size(dtype) <= piece_bytes;
 }
 
-class OneshotKernel {
+class CollectiveKernel {
  public:
-  virtual ~OneshotKernel() = default;
-  // Enqueues the whole all-reduce as one kernel on `stream` (a cudaStream_t as an integer), ordered after the
+  virtual ~CollectiveKernel() = default;
+  // Enqueues the whole call as one kernel on `stream` (a cudaStream_t as an integer), ordered after the
   // previous call whatever its stream (the caller serialises calls to launch()); with the add + RMSNorm fused
   // when args.norm.hidden != 0 (only for calls fuses_add_rmsnorm() accepts). True if `stream` is capturing a
   // graph (the call then runs at each replay).
-  virtual bool launch(const AllReduceArgs& args, uintptr_t stream) = 0;
+  virtual bool launch(const CallArgs& args, uintptr_t stream) = 0;
   // True once everything enqueued on `stream` so far has completed; false while it captures a graph.
   virtual bool stream_done(uintptr_t stream) const = 0;
   // The first fault a kernel recorded (word 0 if none). Any thread may call it.
@@ -70,6 +70,6 @@ class OneshotKernel {
 };
 
 // Its first launch is call `first_epoch`.
-std::unique_ptr<OneshotKernel> make_oneshot_kernel(int device, int world, uint32_t first_epoch);
+std::unique_ptr<CollectiveKernel> make_collective_kernel(int device, int world, uint32_t first_epoch);
 
 }  // namespace rocenante

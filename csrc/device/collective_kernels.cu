@@ -1,4 +1,5 @@
-// The one-shot all-reduce kernel: one launch does the whole collective, in the formats of layout.h.
+// The collective kernels: one launch does a whole call, in the formats of layout.h. First the one-shot all-reduce
+// (oneshot_allreduce_kernel), below it the sharded collectives (sharded_kernel).
 //
 //   push:  each thread reads its 16-byte chunks of the input and stores each (Lamport: sanitized; int32: as two
 //          lines) into this rank's area of the call's buffer in every peer's region (over NVLink via CUDA IPC
@@ -8,12 +9,12 @@
 //          and the peer's call word equals ours, combines all inputs in rank order (fp32 accumulation) and
 //          writes the output chunk.
 //
-// The same kernel, instantiated with kFused, adds the residual and applies RMSNorm (AllReduceArgs::norm) as an
+// The same kernel, instantiated with kFused, adds the residual and applies RMSNorm (CallArgs::norm) as an
 // epilogue of the pull: its CTAs take whole rows instead of strided chunks, keep a row's sums in registers,
 // and add up the row's squares across the CTA before they write the norm (row_norm.cuh). The push, the reset
 // and the receive of each chunk are the same code for both.
 //
-// Network peers (RDMA, the TCP wire: AllReduceArgs::network) are served by the same loop: the push goes into this
+// Network peers (RDMA, the TCP wire: CallArgs::network) are served by the same loop: the push goes into this
 // rank's image of their regions in pinned host memory, the last CTA to finish its stores rings the proxy's
 // doorbell (if the launch sent the whole call), and a thread reads a network peer's call word and chunks only
 // after that peer's arrival word says its delivery of this call is whole (layout.h, Mailbox). The kernel serves direct and network peers side by
@@ -32,7 +33,7 @@
 #include "../fault.h"
 #include "chunk_io.cuh"
 #include "device_state.h"
-#include "oneshot_kernel.h"
+#include "collective_kernel.h"
 #include "row_norm.cuh"
 #include "memory_order.cuh"
 
@@ -46,14 +47,14 @@ constexpr uint32_t kNotATimeout = 0x40000000u;   // ... with a fault other than 
 constexpr int kPollsPerClockRead = 64;  // polls between reads of the global timer and the fault words
 
 // Timeline builds: records `event` of call `epoch` on %globaltimer (timeline.h).
-__device__ __forceinline__ void note(const AllReduceArgs& a, uint32_t epoch, TimelineEvent event) {
+__device__ __forceinline__ void note(const CallArgs& a, uint32_t epoch, TimelineEvent event) {
   if constexpr (kTimeline)
     if (a.timeline != nullptr) *reinterpret_cast<volatile uint64_t*>(timeline_entry(a.timeline, epoch, event)) = global_timer_ns();
 }
 
 // Records `fault` (a timeout's peers are merged across threads) and, for the first fault of the
 // communicator, writes our abort word into every peer's region.
-__device__ void record_fault(const AllReduceArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
+__device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
   const bool timeout = fault_kind(fault) == Fault::kPeerTimeout;
   const uint32_t missing = timeout ? fault_detail(fault) : 0;
   const uint32_t before = atomicOr(s.fault_mask, kFaulted | (timeout ? 0 : kNotATimeout) | missing);
@@ -79,7 +80,7 @@ static_assert(kMaxBlocks < kUnsent, "the low half of DeviceState::sent counts CT
 // call not written whole is never delivered (layout.h, Mailbox). Every thread of the launch takes part.
 // `index`: which call of the launch this is (calls_of()), each counted apart (a CTA may be done with the second
 // while another still stores for the first). Returns true in the one thread that counted the last CTA.
-__device__ bool ring_doorbell(const AllReduceArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
+__device__ bool ring_doorbell(const CallArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
                               size_t span, bool sent) {
   __threadfence_system();  // this thread's image stores, before its CTA is counted
   const bool all_sent = __syncthreads_and(sent);
@@ -98,7 +99,7 @@ __device__ bool ring_doorbell(const AllReduceArgs& a, const DeviceState& s, int 
 
 // At a timer read: 0 to keep waiting, or the fault that ends the wait (an earlier fault of this launch is
 // reported as already recorded: kFaulted).
-__device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
+__device__ uint64_t check_waiting(const CallArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
                                   uint32_t pending) {
   if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
   const bool host = a.network != 0;  // the region is host memory (memory_order.cuh)
@@ -119,7 +120,7 @@ __device__ uint64_t check_waiting(const AllReduceArgs& a, const DeviceState& s, 
 // Returns false once the call failed: a mismatch, an abort word, a timeout (recorded), or a fault another thread
 // recorded. `deadline` is set at the first timer read, so a call whose peers are already there never reads it.
 template <Format F, int W>
-__device__ __forceinline__ bool receive(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, int buffer,
+__device__ __forceinline__ bool receive(const CallArgs& a, const DeviceState& s, uint32_t epoch, int buffer,
                                         uint32_t call, size_t c, uint32_t pending, uint32_t& calls_seen,
                                         uint64_t& deadline, uint32_t (&got)[W][kWireWords<F>]) {
   // A fault found at a timer read ends the wait after one more poll: a peer whose call differs writes its call
@@ -171,7 +172,7 @@ __device__ __forceinline__ bool receive(const AllReduceArgs& a, const DeviceStat
 // DeviceState::footprints), and the call words; then records the footprint of this launch's last call, which uses
 // `buffer`. With network peers the region is host memory, and the reset must be there before this kernel ends
 // (memory_order.cuh). Every thread of the launch takes part.
-__device__ __forceinline__ void reset_previous(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch,
+__device__ __forceinline__ void reset_previous(const CallArgs& a, const DeviceState& s, uint32_t epoch,
                                                int buffer, size_t first, size_t stride) {
   const int previous = previous_buffer(epoch);
   const uint32_t footprint = load_relaxed(&s.footprints[previous]);
@@ -194,7 +195,7 @@ __device__ __forceinline__ void reset_previous(const AllReduceArgs& a, const Dev
 // accumulation, rounded to the dtype and sanitized as inputs are (layout.h: two-shot sends it on, and one-shot
 // returns the same bits).
 template <DType D, ReduceOp Op, int W>
-__device__ __forceinline__ void reduce_chunk(const AllReduceArgs& a, const uint32_t (&own)[4],
+__device__ __forceinline__ void reduce_chunk(const CallArgs& a, const uint32_t (&own)[4],
                                              const uint32_t (&got)[W][kWireWords<format_of(D)>], uint32_t (&w)[4]) {
   typename Chunk<D>::Acc acc[Chunk<D>::kElems];
 #pragma unroll
@@ -217,7 +218,7 @@ __device__ __forceinline__ void reduce_chunk(const AllReduceArgs& a, const uint3
 
 // Our call word into every peer's region we store to (one thread of the launch).
 template <int W>
-__device__ __forceinline__ void send_call_word(const AllReduceArgs& a, int buffer, uint32_t call) {
+__device__ __forceinline__ void send_call_word(const CallArgs& a, int buffer, uint32_t call) {
 #pragma unroll
   for (int p = 0; p < W; ++p)
     if (p < a.world && (a.stores & (1u << p))) store_remote(call_word(a.peer[p], buffer, a.rank), call);
@@ -236,7 +237,7 @@ __device__ __forceinline__ uint32_t begin_launch(const DeviceState& s) {
 
 // Advances the epoch: every thread of this CTA has read epochs[blockIdx.x] (begin_launch()) before this barrier.
 // The CTA's threads share the copies it owns (j % gridDim == blockIdx), so no thread stores many.
-__device__ __forceinline__ void end_launch(const AllReduceArgs& a, const DeviceState& s, uint32_t epoch, size_t first) {
+__device__ __forceinline__ void end_launch(const CallArgs& a, const DeviceState& s, uint32_t epoch, size_t first) {
   if (first == 0) note(a, epoch, kKernelEnd);
   __syncthreads();
   for (int j = blockIdx.x + gridDim.x * threadIdx.x; j < s.copies; j += gridDim.x * blockDim.x)
@@ -262,7 +263,7 @@ struct Strided {
 // are all in flight before the first store (the stores' memory clobber keeps the compiler from moving later
 // loads above them).
 template <DType D, int W, class Walk>
-__device__ __forceinline__ void send_chunks(const AllReduceArgs& a, int buffer, uint32_t call, size_t chunks,
+__device__ __forceinline__ void send_chunks(const CallArgs& a, int buffer, uint32_t call, size_t chunks,
                                             const Walk& walk) {
   for (size_t at = walk.start(); !walk.done(at); at = walk.next(at)) {
     uint32_t w[kSendBatch][4];
@@ -287,13 +288,13 @@ __device__ __forceinline__ void send_chunks(const AllReduceArgs& a, int buffer, 
 
 // W: the world size rounded up to 2, 4 or 8, so that loops over peers unroll to what the world needs and a
 // small world keeps fewer registers (more CTAs resident, more loads in flight). kFused: the add + RMSNorm
-// epilogue (AllReduceArgs::norm), its CTAs reducing whole rows.
+// epilogue (CallArgs::norm), its CTAs reducing whole rows.
 // Launch bounds: kThreads; the fused kernels ask for 1 resident CTA per multiprocessor at least, so that ptxas
 // keeps a row in registers without spilling (118-189 registers by ptxas -v; one CTA per multiprocessor serves
 // the rows of decode), while for the plain kernels 0 leaves ptxas's register choice as it was.
 template <DType D, ReduceOp Op, int W, bool kFused>
 __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
-    oneshot_allreduce_kernel(const AllReduceArgs a, const DeviceState s) {
+    oneshot_allreduce_kernel(const CallArgs a, const DeviceState s) {
   static_assert(!kFused || kFusable<D, Op>, "the fused epilogue serves sums of float dtypes");
   using C = Chunk<D>;
   const uint32_t epoch = begin_launch(s);
@@ -420,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
 // the output there), except the gather's chunks, which the same thread pushed before: both walk the slots'
 // chunks as first + k * stride. A thread that fails poisons each output chunk it had still to write.
 template <DType D, ReduceOp Op, int W, Collective Kind>
-__global__ void __launch_bounds__(kThreads) sharded_kernel(const AllReduceArgs a, const DeviceState s) {
+__global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, const DeviceState s) {
   constexpr Format F = format_of(Kind, D);
   constexpr bool kGather = Kind == Collective::kAllGather;
   constexpr bool kTwoShot = Kind == Collective::kAllReduce;

@@ -1,10 +1,10 @@
-// The CPU path (host_allreduce.cc): the protocol of layout.h run by one host thread, for CPU tensors.
+// The CPU path (host_collective.cc): the protocol of layout.h run by one host thread, for CPU tensors.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
-#include "allreduce_args.h"
+#include "call_args.h"
 
 namespace rocenante {
 
@@ -16,7 +16,7 @@ using InterruptCheck = bool (*)();
 // previous call (footprint_of()), whose buffer the first call resets (layout.h).
 // Returns 0, or an encode_fault() word saying why the call failed; every output element it did not
 // compute is then poisoned (poison_word).
-uint64_t host_allreduce(const AllReduceArgs& args, uint32_t epoch, uint32_t reset, InterruptCheck interrupted);
+uint64_t host_collective(const CallArgs& args, uint32_t epoch, uint32_t reset, InterruptCheck interrupted);
 
 // Sets `bytes` of host memory at `begin` to the dtype's poison (poison_word(), fault.h).
 void poison_host(void* begin, size_t bytes, DType dtype);
