@@ -101,6 +101,30 @@ class _Work(Work):
         return future
 
 
+class _Works(Work):
+    """Several delegated works as one (a coalesced call the delegate made pair by pair)."""
+
+    def __init__(self, works, tensors):
+        super().__init__()
+        self._works = works
+        self._tensors = tensors
+
+    def wait(self, timeout=None):
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def result(self):
+        return self._tensors
+
+    def is_completed(self):
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self):
+        tensors = self._tensors
+        return torch.futures.collect_all([work.get_future() for work in self._works]).then(lambda _: tensors)
+
+
 class RocenanteProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str):
         super().__init__(rank, size)
@@ -182,26 +206,52 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             return comm
         return None
 
-    def _gather_or_scatter(self, collective, output, input, op, delegate):
-        """all_gather_into_tensor and reduce_scatter_tensor: through rocenante where it serves them (the tensors'
-        numels and dtypes match, which every rank's call shares), else `delegate()`. Non-contiguous tensors go
-        through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
+    def _gather_comm(self, collective, output, input, op):
+        """The communicator that serves all_gather_into_tensor or reduce_scatter_tensor of these tensors, or None:
+        their numels and dtypes match (facts every rank's call shares) and _eligible() says so."""
         big = output if collective == "all_gather" else input
         small = input if collective == "all_gather" else output
-        comm = None
         if output.dtype == input.dtype and small.numel() * self.size() == big.numel() \
                 and output.device == input.device:
-            comm = self._eligible(input, op, collective, big.numel() * big.element_size())
-        if comm is None:
-            return delegate()
+            return self._eligible(input, op, collective, big.numel() * big.element_size())
+        return None
+
+    def _gather_issue(self, comm, collective, output, input, op, stream) -> int:
+        """One all-gather or reduce-scatter through `comm`; returns its call number. Non-contiguous tensors go
+        through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
         flat_in = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
         flat_out = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
                                                                               device=output.device)
-        stream = comm.current_stream()
         call = comm.issue(flat_in, op, stream, out=flat_out, collective=collective)
         if not output.is_contiguous():
             _copy_back(output, flat_out.view(output.shape))
+        return call
+
+    def _gather_or_scatter(self, collective, output, input, op, delegate):
+        """all_gather_into_tensor and reduce_scatter_tensor: through rocenante where it serves them, else
+        `delegate()`."""
+        comm = self._gather_comm(collective, output, input, op)
+        if comm is None:
+            return delegate()
+        stream = comm.current_stream()
+        call = self._gather_issue(comm, collective, output, input, op, stream)
         return _Work([output], comm, stream, call) if output.is_cuda else _Work([output])
+
+    def _coalesced(self, collective, outputs, inputs, op, opts):
+        """Coalesced all-gathers or reduce-scatters (the functional collectives' all_gather_tensor and
+        reduce_scatter_tensor come this way): one by one through rocenante where it serves every pair, as one
+        Work; else every pair by the delegate's single-tensor call (its backend has no coalesced binding), as
+        one Work that waits for them all."""
+        comms = [self._gather_comm(collective, o, i, op) for o, i in zip(outputs, inputs)]
+        if comms and None not in comms:
+            comm = comms[0]
+            stream = comm.current_stream()
+            for o, i in zip(outputs, inputs):
+                call = self._gather_issue(comm, collective, o, i, op, stream)
+            return _Work(list(outputs), comm, stream, call) if outputs[0].is_cuda else _Work(list(outputs))
+        delegate = self._delegate(inputs[0])
+        single = delegate._allgather_base if collective == "all_gather" else delegate._reduce_scatter_base
+        return _Works([single(o, i, *_given(opts)) for o, i in zip(outputs, inputs)], list(outputs))
 
     def _allgather_base(self, output, input, opts=None):
         return self._gather_or_scatter("all_gather", output, input, "sum",
@@ -217,6 +267,19 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced("all_gather", outputs, inputs, "sum", opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _core_op(opts.reduceOp.op) if opts is not None else _core_op("sum")
+        return self._coalesced("reduce_scatter", outputs, inputs, op, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """all_gather into a list: equal-size tensors of one input go through one all-gather into a flat tensor,
@@ -324,7 +387,11 @@ def _given(opts) -> list:
 # fault first (_delegate), then the delegate of the device of the tensor at `where` among the arguments
 # (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
 # and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, and the
-# all-gathers and reduce-scatters of single tensors (also under both names), which rocenante serves where it can.
+# all-gathers and reduce-scatters, single and coalesced (also under both names), which rocenante serves where it
+# can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
+# class lacks, the trampoline calls the delegate from C++ holding the GIL, and a gloo worker that frees a finished
+# work (holding its queue lock) and needs the GIL to free a tensor's Python object deadlocks with it
+# (docs/guarantees.md; tests/cpu/test_real_clients.py, test_collectives_proceed_while_gloo_waits_for_the_gil).
 _DELEGATED = {  # process group's name: (backend's name, where)
     "allreduce_coalesced": ("allreduce_coalesced", (0, 0)),
     "allgather_coalesced": ("allgather_coalesced", (1, 0)),

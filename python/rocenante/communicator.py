@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -74,6 +75,13 @@ def serves(x, op="sum", max_bytes: Optional[int] = None) -> bool:
     return (isinstance(x, torch.Tensor) and x.layout == torch.strided and x.dtype in _DTYPES and core is not None
             and not (core == _C.ReduceOp.avg and x.dtype == torch.int32)
             and x.numel() > 0 and (max_bytes is None or x.numel() * x.element_size() <= max_bytes))
+
+
+def _profiled(collective: str, x: torch.Tensor):
+    """The label a profiler trace shows a call under, as c10d labels NCCL's ("nccl:all_reduce"): the collective,
+    then this rank's input in bytes and its dtype, e.g. "rocenante:all_reduce 8192 B torch.bfloat16". The kernel
+    (or, for CPU tensors, the host loop) runs inside it."""
+    return torch.profiler.record_function(f"rocenante:{collective} {x.numel() * x.element_size()} B {x.dtype}")
 
 
 # A peer's failure message is shown whatever its bytes, cut at this many characters.
@@ -340,6 +348,12 @@ class Communicator:
 
     def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str = "all_reduce") -> int:
         """The call into the core, for checked arguments. Returns the call's number."""
+        if torch.autograd._profiler_enabled():  # a C call: nothing else is paid without a profiler
+            with _profiled(collective, x):
+                return self._call_core(x, out, op, stream, collective)
+        return self._call_core(x, out, op, stream, collective)
+
+    def _call_core(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str) -> int:
         if collective == "all_gather":
             return self._c.all_gather(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], stream)
         if collective == "reduce_scatter":
@@ -421,9 +435,10 @@ class Communicator:
                     or tuple(t.shape) != tuple(shape) or not t.is_contiguous():
                 self.refuse(f"{name} {_describe(t)}: it must be a contiguous {x.dtype} tensor of shape "
                              f"{tuple(shape)} on {self.device}")
-        self._c.all_reduce_add_rmsnorm(x.data_ptr(), residual_in.data_ptr(), gamma.data_ptr(),
-                                       residual_out.data_ptr(), norm_out.data_ptr(), x.numel(), hidden,
-                                       _DTYPES[x.dtype], float(eps), float(weight_bias), self.current_stream())
+        with _profiled("all_reduce_add_rmsnorm", x) if torch.autograd._profiler_enabled() else nullcontext():
+            self._c.all_reduce_add_rmsnorm(x.data_ptr(), residual_in.data_ptr(), gamma.data_ptr(),
+                                           residual_out.data_ptr(), norm_out.data_ptr(), x.numel(), hidden,
+                                           _DTYPES[x.dtype], float(eps), float(weight_bias), self.current_stream())
         return residual_out, norm_out
 
     def refuse(self, why: str):

@@ -28,14 +28,15 @@ def _entry(fn, rank, world, store_path, args, queue):
         queue.put((rank, "error", (type(err).__name__, str(err), traceback.format_exc())))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spawn") -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spawn", clean_exit: bool = False) -> list:
     """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
     context="fork" skips the children's imports (in the SoftRoCE VM, importing torch takes a minute); only for
     a parent that has started no threads and opened no RDMA device.
 
     An exception on any rank is returned as ("error", type name, message, traceback) in that rank's place;
     processes still running after `timeout` seconds are killed and reported as ("hung",), and those that
-    exited without reporting as ("died", exit code).
+    exited without reporting as ("died", exit code). With clean_exit, a process that reported but then did not
+    exit with 0 (a crash or hang in the interpreter's shutdown) is reported as ("died at exit", exit code).
     """
     ctx = mp.get_context(context)
     queue = ctx.Queue()
@@ -62,11 +63,14 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spa
             if procs[r].is_alive():
                 os.kill(procs[r].pid, signal.SIGUSR1)  # print where it hangs before it is killed
                 time.sleep(0.5)
-        for p in procs:
+        for r, p in enumerate(procs):
             p.join(timeout=max(1.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
+            failed = isinstance(results[r], tuple) and results[r][:1] in (("hung",), ("died",), ("error",))
+            if clean_exit and p.exitcode != 0 and not failed:
+                results[r] = ("died at exit", p.exitcode)
     return results
 
 
@@ -99,7 +103,7 @@ def record_figure(name: str, value: float) -> None:
 
 def expect_ok(results: list) -> list:
     """Fails the test with every rank's traceback if any rank raised or hung."""
-    bad = [(r, res) for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] in ("error", "hung", "died")]
+    bad = [(r, res) for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] in ("error", "hung", "died", "died at exit")]
     if bad:
         lines = [f"rank {r}: {res[0]} {res[1:]}" for r, res in bad]
         raise AssertionError("\n".join(lines))
