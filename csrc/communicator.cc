@@ -166,18 +166,26 @@ std::string abort_reason(uint32_t cause) {
   return "unknown cause " + std::to_string(cause);
 }
 
-// Forks this process has been the child of, counted by a pthread_atfork handler: a communicator compares it
-// with the count at its creation to tell that it is now in a child of the process that created it.
-std::atomic<uint32_t> forks_seen{0};
-const bool fork_counter_installed = [] {
-  return pthread_atfork(nullptr, nullptr, [] { forks_seen.fetch_add(1, std::memory_order_relaxed); }) == 0;
-}();
-
 // Open GPU communicators of this process, per device, for the timeout's message: two communicators whose calls
 // reach one GPU in different orders on different ranks can wait for each other (docs/guarantees.md).
 constexpr int kMaxDevices = 64;
-std::mutex gpu_communicators_mutex;
-int gpu_communicators[kMaxDevices] = {};
+struct GpuCommunicators {
+  std::mutex mutex;
+  int open[kMaxDevices] = {};
+};
+std::atomic<GpuCommunicators*> gpu_communicators{new GpuCommunicators};
+
+// Forks this process has been the child of, counted by a pthread_atfork handler: a communicator compares it
+// with the count at its creation to tell that it is now in a child of the process that created it. The child
+// also counts no GPU communicator (its parent's are not its own) under a fresh mutex (a parent thread may have
+// held the copied one at the fork); the copy is left as it is.
+std::atomic<uint32_t> forks_seen{0};
+const bool fork_handler_installed = [] {
+  return pthread_atfork(nullptr, nullptr, [] {
+           forks_seen.fetch_add(1, std::memory_order_relaxed);
+           gpu_communicators.store(new GpuCommunicators, std::memory_order_relaxed);
+         }) == 0;
+}();
 
 }  // namespace
 
@@ -185,14 +193,16 @@ InterruptCheck Communicator::interrupt_check_ = nullptr;
 
 void Communicator::count_on_device(int delta) {
   if (device_ < 0 || device_ >= kMaxDevices) return;
-  std::lock_guard<std::mutex> lock(gpu_communicators_mutex);
-  gpu_communicators[device_] += delta;
+  GpuCommunicators& g = *gpu_communicators.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(g.mutex);
+  g.open[device_] += delta;
 }
 
 bool Communicator::shares_device() const {
   if (device_ < 0 || device_ >= kMaxDevices) return false;
-  std::lock_guard<std::mutex> lock(gpu_communicators_mutex);
-  return gpu_communicators[device_] > 1;
+  GpuCommunicators& g = *gpu_communicators.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> lock(g.mutex);
+  return g.open[device_] > 1;
 }
 
 bool Communicator::in_forked_child() const { return forks_seen.load(std::memory_order_relaxed) != forks_at_creation_; }
@@ -214,7 +224,7 @@ Communicator::Communicator(int rank, int world, int device, size_t capacity_byte
       issued_(previous_epoch(first_epoch < kEpochPeriod ? first_epoch : 0)), launched_(first_epoch),
       peer_processes_(world), creator_pid_(getpid()),
       forks_at_creation_(forks_seen.load(std::memory_order_relaxed)) {
-  if (!fork_counter_installed) ROCENANTE_THROW(Error, "pthread_atfork failed: forked children could not be told apart");
+  if (!fork_handler_installed) ROCENANTE_THROW(Error, "pthread_atfork failed: forked children could not be told apart");
   if (world < 1 || world > kMaxRanks)
     ROCENANTE_THROW(InvalidArgument, "world size " + std::to_string(world) + " is outside 1.." + std::to_string(kMaxRanks));
   if (rank < 0 || rank >= world)

@@ -1,10 +1,12 @@
 #include "watchdog.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -13,6 +15,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "errors.h"
 
 namespace rocenante {
 namespace {
@@ -28,10 +32,18 @@ struct Registry {
   bool running = false;
 };
 
-// Never destroyed: the detached thread may still run while static destructors do at exit.
+// This process's registry, never destroyed: the detached thread may still run while static destructors do at
+// exit. A forked child starts a fresh one (the pthread_atfork handler below, which runs in the child before fork()
+// returns there): its copy of its parent's says a thread runs where none came along, lists the parent's
+// communicators, and may hold a mutex that a parent thread had locked at the fork. The copy is left as it is.
+std::atomic<Registry*> current{new Registry};
+const bool fresh_in_child = [] {
+  return pthread_atfork(nullptr, nullptr, [] { current.store(new Registry, std::memory_order_relaxed); }) == 0;
+}();
+
 Registry& registry() {
-  static Registry* r = new Registry;
-  return *r;
+  if (!fresh_in_child) ROCENANTE_THROW(Error, "pthread_atfork failed: a forked child's communicators would go unwatched");
+  return *current.load(std::memory_order_relaxed);
 }
 
 void run() {
