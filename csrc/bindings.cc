@@ -58,6 +58,8 @@ PYBIND11_MODULE(_C, m) {
       .value("completion", rocenante::Signal::kCompletion)
       .value("flag_first", rocenante::Signal::kFlagFirst);
   Communicator::set_interrupt_check(python_signal_pending);
+  m.def("_test_stop_after_push", &rocenante::stop_after_push, py::arg("push"), py::arg("kill"),
+        "tests only: stop (SIGSTOP) or end (SIGKILL) this process right after its push-th CPU call's push");
 
 #ifdef ROCENANTE_WITH_CUDA
   m.attr("with_cuda") = true;

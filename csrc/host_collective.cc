@@ -25,6 +25,7 @@
 #include "host_collective.h"
 
 #include <sched.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -413,19 +414,36 @@ uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, cons
   return 0;
 }
 
-// Copies `bytes` bytes that `source` sent as chunks [at, ...) of its area (areas[source]) into `out`, block by
-// block as they arrive.
+// Copies every peer's shard (peer s sent sh.bytes_of(s) bytes as chunks [s * slot_chunks, ...) of its area,
+// areas[s]) to out + s * stride_bytes, in whatever order they arrive. One wait for the set of peers still owed, as
+// the other phases wait: a peer that ended fails it at once, also while another is late. The wait starts afresh
+// after each copy, so the timeout bounds the time without progress, as a wait per block would.
 template <Format F>
-uint64_t gather(const CallArgs& a, const uint32_t* const* areas, int source, size_t at, void* out, size_t bytes,
-                uint32_t call, InterruptCheck interrupted) {
-  const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
-  Words staged[kBlockChunks];
-  for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
-    const size_t n = std::min(kBlockChunks, chunks - c0);
-    if (const uint64_t fault = wait_chunks<F>(a, areas, 1u << source, at + c0, n, call, interrupted)) return fault;
-    for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(areas[source], at + c0 + i);
-    store_block(out, bytes, c0, n, staged);
-  }
+uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t call, InterruptCheck interrupted) {
+  const Shards& sh = a.shards;
+  size_t copied[kMaxRanks] = {};  // chunks of each peer's shard copied out
+  uint32_t owed = peers_of(a);
+  const auto copy_arrived = [&] {  // true if it copied anything
+    bool progress = false;
+    for (int s = 0; s < a.world; ++s) {
+      if (!(owed & (1u << s))) continue;
+      const size_t at = s * sh.slot_chunks, bytes = sh.bytes_of(s), chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+      const size_t until = arrived_until<F>(areas[s], at + copied[s], at + chunks, call) - at;
+      for (size_t n; copied[s] < until; copied[s] += n, progress = true) {
+        n = std::min(kBlockChunks, until - copied[s]);
+        Words staged[kBlockChunks];
+        for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(areas[s], at + copied[s] + i);
+        store_block(out + s * a.stride_bytes, bytes, copied[s], n, staged);
+      }
+      if (copied[s] == chunks) owed &= ~(1u << s);
+    }
+    return progress;
+  };
+  while (owed != 0)
+    if (const uint64_t fault = wait_for(a, owed, interrupted, [&](uint32_t& pending) {
+          pending = copy_arrived() ? 0 : owed;
+        }))
+      return fault;
   return 0;
 }
 
@@ -477,17 +495,13 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
       return fault;
     if (!two_shot) return 0;
   }
-  for (int s = 0; s < a.world; ++s) {
-    if (s == r) continue;
-    char* const to = out + s * a.stride_bytes;
-    const uint64_t fault =
-        format_of(a) == Format::kLines
-            ? gather<Format::kLines>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted)
-            : gather<format_of(D)>(a, areas, s, s * sh.slot_chunks, to, sh.bytes_of(s), call, interrupted);
-    if (fault != 0) return fault;
-  }
-  return 0;
+  return format_of(a) == Format::kLines ? gather<Format::kLines>(a, areas, out, call, interrupted)
+                                        : gather<format_of(D)>(a, areas, out, call, interrupted);
 }
+
+// stop_after_push(): the pushes still to make before the test's signal (0: none), and the signal.
+std::atomic<uint64_t> pushes_before_signal{0};
+std::atomic<int> signal_after_push{SIGSTOP};
 
 // One call of the protocol (host_collective() runs a piece's calls).
 uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {
@@ -506,6 +520,8 @@ uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptC
     __atomic_store_n(&a.mailbox->ring[buffer], ring_word(call_span_bytes(a), epoch), __ATOMIC_RELEASE);
     note(a.timeline, epoch, kKernelRing);
   }
+  if (pushes_before_signal.load(std::memory_order_relaxed) != 0 && pushes_before_signal.fetch_sub(1) == 1)
+    raise(signal_after_push.load());
 
   const int previous = previous_buffer(epoch);
   for (int s = 0; s < a.world; ++s) {
@@ -540,6 +556,11 @@ void poison_host(void* begin, size_t bytes, DType dtype) {
   const uint32_t word = poison_word(dtype);
   for (size_t b = 0; b < bytes; b += sizeof(word))
     std::memcpy(static_cast<char*>(begin) + b, &word, std::min(sizeof(word), bytes - b));
+}
+
+void stop_after_push(uint64_t push, bool kill) {
+  signal_after_push.store(kill ? SIGKILL : SIGSTOP);
+  pushes_before_signal.store(push);
 }
 
 uint64_t host_collective(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptCheck interrupted) {

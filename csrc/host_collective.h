@@ -21,4 +21,9 @@ uint64_t host_collective(const CallArgs& args, uint32_t epoch, uint32_t reset, I
 // Sets `bytes` of host memory at `begin` to the dtype's poison (poison_word(), fault.h).
 void poison_host(void* begin, size_t bytes, DType dtype);
 
+// Tests only: this process stops itself (SIGSTOP) or ends (SIGKILL) right after the push of its `push`-th call of
+// the protocol from now on (1: the next), before it waits for anything: a rank that sent its data and never
+// forwarded, at a point no signal sent from outside can hit reliably. 0 turns it off.
+void stop_after_push(uint64_t push, bool kill);
+
 }  // namespace rocenante

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "../cuda_check.h"
@@ -109,9 +110,11 @@ class CudaIpcTransport final : public Transport {
   uint32_t* peer_region(int peer) const override { return regions_[peer]; }
 
   // A copy on a stream of our own, from pinned memory, so that it neither waits for our spinning kernels
-  // nor breaks a graph capture under way on another stream.
+  // nor breaks a graph capture under way on another stream. One at a time: a user thread (a refused call) and
+  // the watchdog (a peer that ended) may post at once, and the copies read the one staging slot when they run.
   void post_abort(int peer, uint64_t word) noexcept override {
     if (regions_[peer] == nullptr) return;
+    std::lock_guard<std::mutex> lock(abort_mutex_);
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
@@ -144,6 +147,7 @@ class CudaIpcTransport final : public Transport {
   size_t region_bytes_;
   cudaIpcMemHandle_t handle_{};
   std::vector<uint32_t*> regions_;
+  std::mutex abort_mutex_;  // post_abort()'s: the staging slot is reused until its copies have run
   cudaStream_t abort_stream_ = nullptr;
   uint64_t* abort_staging_ = nullptr;
 };

@@ -337,3 +337,36 @@ def _every_collective_after_a_mismatch(store, rank, world):
 def test_a_faulted_group_raises_its_fault_for_every_collective():
     for rank, wrong in enumerate(expect_ok(run_ranks(2, _every_collective_after_a_mismatch, timeout=120))):
         assert wrong == [], f"rank {rank}: {wrong}"
+
+
+def _ended_and_late_before_forwarding(store, rank, world):
+    """World 3, two-shot over shared memory: after the pushes of call 2, rank 2 ends and rank 1 stops (continued
+    6 s later), neither having forwarded its reduced shard; rank 0 has reduced its own and gathers. It must fail at
+    once naming rank 2, whose process ended, not wait for rank 1 first (a gather that waited peer by peer did,
+    until rank 1 came back). Returns (the error, seconds the call took). Over a network wire the same stop may land
+    before the proxy delivered rank 1's push, and the call then needs only rank 1, alive: a timeout by design."""
+    import subprocess
+
+    os.environ["ROCENANTE_ALGO"] = "twoshot"
+    comm = on_path(_comm(store, rank, world, timeout_s=20.0), "")
+    inputs = [make_input(31, 0, r, 8192, torch.float32) for r in range(world)]
+    comm.all_reduce(inputs[rank])  # call 1: everyone is there
+    if rank == 2:
+        rocenante._C._test_stop_after_push(1, kill=True)
+    elif rank == 1:
+        subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
+        rocenante._C._test_stop_after_push(1, kill=False)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(inputs[rank])
+        return "returned", time.monotonic() - start
+    except rocenante.RocenanteError as err:
+        return str(err), time.monotonic() - start
+
+
+def test_a_peer_that_ended_fails_the_gather_though_another_is_late():
+    results = run_ranks(3, _ended_and_late_before_forwarding, timeout=60)
+    message, seconds = results[0]
+    assert "rank 2" in message and "ended" in message, message
+    assert seconds < 3.0, f"rank 0 took {seconds:.1f} s (rank 1 came back after 6 s): it waited for the late peer"
+    assert results[2] == ("died", -9), results[2]
