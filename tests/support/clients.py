@@ -339,6 +339,7 @@ def run_cells(store, rank, world, device_type, mode, names, seed, log_dir):
         device = use(rank)
     dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
     group = dist.group.WORLD
+    dist.all_reduce(torch.zeros(1, device=device))  # starts the CPU path where the group also serves CUDA
     comm = group._comms.get(device_type)
     assert comm is not None, f"rocenante does not serve {device_type}: {rocenante.status()}"
     served = []
@@ -531,6 +532,7 @@ def profiled_step(store, rank, world, device_type, trace_path):
         activities.append(ProfilerActivity.CUDA)
     dist.init_process_group("rocenante", store=store, rank=rank, world_size=world)
     x = torch.ones(1024, dtype=torch.bfloat16, device=device)
+    dist.all_reduce(x)  # outside the trace: the first CPU all-reduce of a group that serves CUDA starts the CPU path
     with profile(activities=activities) as prof:
         dist.all_reduce(x)
         dist.all_gather_into_tensor(torch.empty(world * 1024, dtype=x.dtype, device=device), x)
