@@ -5,29 +5,14 @@ its reason."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import clients
 
 WORLD = 2
-MODES = ["eager", "compile", "graph"]
 
-
-@functools.cache
-def _outcome(mode):
-    return clients.run_matrix("cpu", mode, WORLD, timeout=600)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cell", clients.CELLS, ids=lambda c: c.name)
-def test_cell(cell, mode):
-    why = clients.skipped(cell, "cpu", mode, WORLD)
-    if why is not None:
-        pytest.skip(why)
-    clients.check_cell(_outcome(mode), cell)
+test_cell = clients.matrix_test("cpu", WORLD)
 
 
 def _funcol():

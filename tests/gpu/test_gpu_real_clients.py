@@ -5,28 +5,13 @@ are skipped, saying why; with a GPU per rank it is NCCL)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import clients
 
 WORLD = 2
-MODES = ["eager", "compile", "graph"]
 
-
-@functools.cache
-def _outcome(mode):
-    return clients.run_matrix("cuda", mode, WORLD, timeout=600)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cell", clients.CELLS, ids=lambda c: c.name)
-def test_cell(cell, mode):
-    why = clients.skipped(cell, "cuda", mode, WORLD)
-    if why is not None:
-        pytest.skip(why)
-    clients.check_cell(_outcome(mode), cell)
+test_cell = clients.matrix_test("cuda", WORLD)
 
 
 @pytest.mark.parametrize("world", [2, 4])

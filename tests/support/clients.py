@@ -404,6 +404,28 @@ def skipped(cell, device_type, mode, world):
     return None
 
 
+def matrix_test(device_type, world=2):
+    """The test function of the matrix on `device_type` (a test file assigns it to test_cell): every cell in
+    every mode, skipped with its reason where it does not run; the ranks run each mode's cells once."""
+    import functools
+
+    import pytest
+
+    @functools.cache
+    def outcome(mode):
+        return run_matrix(device_type, mode, world, timeout=600)
+
+    @pytest.mark.parametrize("mode", ["eager", "compile", "graph"])
+    @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+    def test_cell(cell, mode):
+        why = skipped(cell, device_type, mode, world)
+        if why is not None:
+            pytest.skip(why)
+        check_cell(outcome(mode), cell)
+
+    return test_cell
+
+
 def check_cell(outcome, cell):
     """Fails unless every rank finished `cell` correctly, with the same bits where the result is replicated, and
     served it through rocenante exactly when it should be. outcome is run_matrix()'s."""
