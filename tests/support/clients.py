@@ -450,6 +450,7 @@ def check_cell(outcome, cell):
 # ---- transformers' tensor parallelism ----
 
 TRANSFORMERS_VERSION = "5.17.0"  # the version the GPU machine has; tp_plan="auto" is that version's API
+ACCELERATE_VERSION = "1.15.0"  # likewise; transformers' tp_plan refuses to load without it
 
 
 def make_tiny_llama(path, seed):
@@ -516,8 +517,9 @@ def check_tp_decode(device_type, world, tmp_path):
     (profiler labels) and none by the delegate."""
     import pytest
 
-    pytest.importorskip("transformers", reason=f"needs transformers (the tests target {TRANSFORMERS_VERSION}: "
-                                               f"pip install transformers=={TRANSFORMERS_VERSION})")
+    for module in ("transformers", "accelerate"):  # tp_plan needs accelerate
+        pytest.importorskip(module, reason=f"needs transformers and accelerate (the tests target transformers "
+                                           f"{TRANSFORMERS_VERSION} and accelerate {ACCELERATE_VERSION})")
     from multiproc import expect_ok, run_ranks
 
     path = str(tmp_path / "tiny-llama")
