@@ -15,30 +15,24 @@ WORLD = 2
 test_cell = clients.matrix_test("cpu", WORLD)
 
 
-def _funcol():
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol
-
-
 def _sum(xs):
     return sum(xs[1:], xs[0])
 
 
 # Collectives a functional-collective user makes, each with its reference from every rank's input.
 _PROBES = {
-    "all_reduce": (lambda x, g: _funcol().all_reduce(x, "sum", g).wait(), lambda xs, r: _sum(xs)),
-    "all_gather": (lambda x, g: _funcol().all_gather_tensor(x, 0, g).wait(), lambda xs, r: torch.cat(xs)),
-    "reduce_scatter": (lambda x, g: _funcol().reduce_scatter_tensor(x, "sum", 0, g).wait(),
+    "all_reduce": (lambda x, g: clients._funcol().all_reduce(x, "sum", g).wait(), lambda xs, r: _sum(xs)),
+    "all_gather": (lambda x, g: clients._funcol().all_gather_tensor(x, 0, g).wait(), lambda xs, r: torch.cat(xs)),
+    "reduce_scatter": (lambda x, g: clients._funcol().reduce_scatter_tensor(x, "sum", 0, g).wait(),
                        lambda xs, r: _sum(xs).chunk(len(xs))[r]),
-    "all_gather_coalesced": (lambda x, g: _funcol().all_gather_into_tensor_coalesced([x], g)[0].wait(),
+    "all_gather_coalesced": (lambda x, g: clients._funcol().all_gather_into_tensor_coalesced([x], g)[0].wait(),
                              lambda xs, r: torch.cat(xs)),
-    "reduce_scatter_coalesced": (lambda x, g: _funcol().reduce_scatter_tensor_coalesced([x], "sum", [0], g)[0].wait(),
+    "reduce_scatter_coalesced": (lambda x, g: clients._funcol().reduce_scatter_tensor_coalesced([x], "sum", [0], g)[0].wait(),
                                  lambda xs, r: _sum(xs).chunk(len(xs))[r]),
-    "all_reduce_coalesced": (lambda x, g: _funcol().all_reduce_coalesced([x], "sum", g)[0].wait(),
+    "all_reduce_coalesced": (lambda x, g: clients._funcol().all_reduce_coalesced([x], "sum", g)[0].wait(),
                              lambda xs, r: _sum(xs)),
-    "broadcast": (lambda x, g: _funcol().broadcast(x, 0, g).wait(), lambda xs, r: xs[0]),
-    "all_to_all_single": (lambda x, g: _funcol().all_to_all_single(x, None, None, g).wait(),
+    "broadcast": (lambda x, g: clients._funcol().broadcast(x, 0, g).wait(), lambda xs, r: xs[0]),
+    "all_to_all_single": (lambda x, g: clients._funcol().all_to_all_single(x, None, None, g).wait(),
                           lambda xs, r: torch.cat([x.chunk(len(xs))[r] for x in xs])),
 }
 
