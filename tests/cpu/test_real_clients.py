@@ -27,8 +27,9 @@ _PROBES = {
                        lambda xs, r: _sum(xs).chunk(len(xs))[r]),
     "all_gather_coalesced": (lambda x, g: clients._funcol().all_gather_into_tensor_coalesced([x], g)[0].wait(),
                              lambda xs, r: torch.cat(xs)),
-    "reduce_scatter_coalesced": (lambda x, g: clients._funcol().reduce_scatter_tensor_coalesced([x], "sum", [0], g)[0].wait(),
-                                 lambda xs, r: _sum(xs).chunk(len(xs))[r]),
+    "reduce_scatter_coalesced": (
+        lambda x, g: clients._funcol().reduce_scatter_tensor_coalesced([x], "sum", [0], g)[0].wait(),
+        lambda xs, r: _sum(xs).chunk(len(xs))[r]),
     "all_reduce_coalesced": (lambda x, g: clients._funcol().all_reduce_coalesced([x], "sum", g)[0].wait(),
                              lambda xs, r: _sum(xs)),
     "broadcast": (lambda x, g: clients._funcol().broadcast(x, 0, g).wait(), lambda xs, r: xs[0]),
