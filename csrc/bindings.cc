@@ -60,6 +60,8 @@ PYBIND11_MODULE(_C, m) {
   Communicator::set_interrupt_check(python_signal_pending);
   m.def("_test_stop_after_push", &rocenante::stop_after_push, py::arg("push"), py::arg("kill"),
         "tests only: stop (SIGSTOP) or end (SIGKILL) this process right after its push-th CPU call's push");
+  m.def("_test_skip_goodbyes", &rocenante::Communicator::skip_goodbyes, py::arg("skip"),
+        "tests only: close() sends no goodbye from now on, as a host that vanished");
 
 #ifdef ROCENANTE_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -97,27 +97,35 @@ ROCENANTE_HD size_t call_span_bytes(const CallArgs& a) {
   return sharded(a) ? slots_span_bytes(a.shards, a.world, format_of(a)) : span_bytes(a.bytes, a.dtype);
 }
 
-// A wait for the peers in `pending` that has read the clock also reads the abort words of its region's header,
-// with `load` (the host's and the kernel's atomic loads differ), each only once whole (abort_whole(), layout.h):
-// the peers', then its own rank's (written by its own host, layout.h), since a peer's own word says more than our
-// watchdog's (a peer that aborted may have ended since). Ended processes (kPeersExited) end the wait only if it
-// waits for one of them.
+// A wait of call `epoch` for the peers in `pending` that has read the clock also reads the abort words of its
+// region's header, with `load` (the host's and the kernel's atomic loads differ), each only once whole
+// (abort_whole(), layout.h): the peers', then its own rank's (written by its own host, layout.h), since a peer's
+// own word says more than our watchdog's (a peer that aborted may have ended since). Neither a peer's goodbye
+// (kGoodbye) nor ended processes (kPeersExited) are faults by themselves: they end the wait only if it waits for
+// that peer, and a goodbye only in a call after the peer's last; a peer that closed is named last, since an
+// abort or an ended process says more (a rank may close after its last call while another has died).
 // Returns the fault to record, or 0 to keep waiting.
 template <class Load>
-ROCENANTE_HD uint64_t abort_seen(const CallArgs& a, uint32_t pending, Load load) {
+ROCENANTE_HD uint64_t abort_seen(const CallArgs& a, uint32_t epoch, uint32_t pending, Load load) {
   const auto whole = [&](int source) {
     const uint64_t w = load(abort_word(a.local, source));
     return w != 0 && abort_whole(w, load(abort_check(a.local, source))) ? w : 0;
   };
-  for (int p = 0; p < kMaxRanks && p < a.world; ++p)
-    if (p != a.rank)
-      if (const uint64_t w = whole(p)) return peer_aborted(p, w);
+  uint64_t closed = 0;
+  for (int p = 0; p < kMaxRanks && p < a.world; ++p) {
+    if (p == a.rank) continue;
+    const uint64_t w = whole(p);
+    if (w == 0) continue;
+    if (fault_kind(w) != Fault::kGoodbye) return peer_aborted(p, w);
+    if (closed == 0 && (pending & (1u << p)) && !epoch_at_or_before(epoch, fault_value(w)))
+      closed = encode_fault(Fault::kPeerClosed, uint32_t(p), fault_value(w));
+  }
   const uint64_t own = whole(a.rank);
-  if (fault_kind(own) != Fault::kPeersExited) return own;
+  if (fault_kind(own) != Fault::kPeersExited) return own != 0 ? own : closed;
   const uint32_t gone = fault_detail(own) & pending;
   for (int p = 0; p < kMaxRanks; ++p)
     if (gone & (1u << p)) return encode_fault(Fault::kPeerExited, uint32_t(p), 0);
-  return 0;
+  return closed;
 }
 
 }  // namespace rocenante

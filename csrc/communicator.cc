@@ -159,8 +159,10 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kLaunchFailed: return "rank " + peer + " could not launch a call";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
     case Fault::kTransport: return "its network path to rank " + peer + " failed";
+    case Fault::kPeerClosed: return "rank " + peer + " had closed its communicator";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
-    case Fault::kPeersExited:  // never recorded (abort_seen)
+    case Fault::kPeersExited:  // never recorded (abort_seen), as kGoodbye
+    case Fault::kGoodbye:
     case Fault::kNone: break;
   }
   return "unknown cause " + std::to_string(cause);
@@ -190,6 +192,7 @@ const bool fork_handler_installed = [] {
 }  // namespace
 
 InterruptCheck Communicator::interrupt_check_ = nullptr;
+std::atomic<bool> Communicator::skip_goodbyes_{false};
 
 void Communicator::count_on_device(int delta) {
   if (device_ < 0 || device_ >= kMaxDevices) return;
@@ -599,9 +602,10 @@ uint64_t Communicator::current_fault() {
     a.rank = rank_;
     a.world = world_;
     a.local = transport_->local_region();
-    const uint32_t nobody = 0;  // waits for no one: ended peers (kPeersExited) are no fault by themselves
-    if (const uint64_t f = abort_seen(a, nobody, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
-      record(f, next_epoch(issued_));  // seen before this rank's next call
+    // Waits for no one: ended peers (kPeersExited) and goodbyes (kGoodbye) are no fault by themselves.
+    const uint32_t nobody = 0, next = next_epoch(issued_);
+    if (const uint64_t f = abort_seen(a, next, nobody, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
+      record(f, next);  // seen before this rank's next call
     return fault_.load();
   }
   const FaultRecord r = kernel_->fault();
@@ -672,6 +676,9 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
       return where + "rank " + std::to_string(detail) + " aborted the communicator: " + abort_reason(fault_value(fault)) + closed;
     case Fault::kPeerExited:
       return where + "rank " + std::to_string(detail) + "'s process ended" + closed;
+    case Fault::kPeerClosed:
+      return where + "rank " + std::to_string(detail) + " closed its communicator after its call " +
+             std::to_string(fault_value(fault)) + ", and this call needs its data" + closed;
     case Fault::kRefused:
     case Fault::kLaunchFailed: break;  // recorded with their words (abort_call())
     case Fault::kInterrupted:
@@ -680,6 +687,7 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
       return where + "the network path to rank " + std::to_string(detail) + " failed: " +
              transport_status(fault_value(fault)) + closed;
     case Fault::kPeersExited:
+    case Fault::kGoodbye:
     case Fault::kNone: break;
   }
   return where + "unknown fault " + std::to_string(fault) + closed;
@@ -800,9 +808,15 @@ void Communicator::close() {
   // ends meanwhile stops their waits, and their faults are relayed to the network peers (watch()).
   // Bounded: each launch's waits end within the timeout, and once one faulted the later ones end at once; past
   // the bound (a launch stuck behind other work) the whole device is waited for.
+  uint32_t next = next_epoch(issued_);  // the call after our last one
   if (kernel_ != nullptr && transport_ != nullptr)
-    kernel_->wait_idle(captured_ ? kNoEpoch : launched_, 2 * timeout_s_ + 10);
+    next = kernel_->wait_idle(captured_ ? kNoEpoch : launched_, 2 * timeout_s_ + 10);  // graphs replay on the device
   Watchdog::remove(this);  // from here on the watchdog no longer reads this communicator
+  // Goodbye: a peer still waiting for us in a later call fails at once, naming this rank (abort_seen()). Not
+  // after a fault, whose abort word the peers hold already (a slot is written once, layout.h).
+  if (transport_ != nullptr && next != kNoEpoch && !skip_goodbyes_ && current_fault() == 0)
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_) transport_->post_abort(p, encode_fault(Fault::kGoodbye, uint32_t(rank_), previous_epoch(next)));
   std::unique_lock<std::shared_mutex> gone(lifetime_);
   if (kernel_ != nullptr) {
     count_on_device(-1);

@@ -130,6 +130,8 @@ class Communicator : public Watched {
 
   // How host waits (the CPU path) learn of Ctrl-C; set once by the bindings.
   static void set_interrupt_check(InterruptCheck check) { interrupt_check_ = check; }
+  // Tests only: close() without a goodbye, as a host that vanished (its peers see a wire failure, or time out).
+  static void skip_goodbyes(bool skip) { skip_goodbyes_ = skip; }
 
  private:
   void validate_shared(DType dtype, ReduceOp op) const;
@@ -202,6 +204,7 @@ class Communicator : public Watched {
   uint32_t forks_at_creation_;  // forks counted in this process then (in_forked_child())
 
   static InterruptCheck interrupt_check_;
+  static std::atomic<bool> skip_goodbyes_;
 };
 
 }  // namespace rocenante

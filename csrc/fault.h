@@ -23,6 +23,11 @@ enum class Fault : uint32_t {
   // ends only waits for those peers (abort_seen(), which reports kPeerExited): a peer that made its last call
   // and exited owes nothing to a rank still receiving from others.
   kPeersExited = 9,
+  // A peer's goodbye (Communicator::close()): only ever in the closing rank's slot of its peers' regions, never
+  // recorded; detail: that rank, value: the last call it made. It ends only a wait for that peer in a later call
+  // (abort_seen(), which reports kPeerClosed): every call up to its last, the peer made, and its data arrives.
+  kGoodbye = 10,
+  kPeerClosed = 11,  // detail: the peer that closed its communicator; value: the last call it made
 };
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;
@@ -43,13 +48,15 @@ ROCENANTE_HD uint64_t peer_aborted(int source, uint64_t abort) {
   return encode_fault(Fault::kPeerAborted, source, abort_cause(abort));
 }
 
-// Where a rank records its first fault: the word, then the call (epoch) it happened in.
-// On the GPU it lives in mapped host memory: the kernel writes epoch, then the word (release, system scope);
-// the host reads the word (acquire), then the epoch.
+// Where a rank records its first fault: the word, and the call (epoch) it happened in.
+// On the GPU it lives in mapped host memory, and threads of one launch (of its two calls, e and e + 1) may record
+// at once: a writer holds the device's record lock and makes `sequence` odd while it writes (collective_kernels.cu,
+// record_fault()); the host takes a word and an epoch only when `sequence` was even and unchanged around its
+// reads of them (CudaCollectiveKernel::fault()), so never one thread's word with another's epoch.
 struct FaultRecord {
   uint64_t word;
   uint32_t epoch;
-  uint32_t zero;
+  uint32_t sequence;
 };
 
 // The bits every output element that a faulted call does not compute is set to: a quiet NaN, and for int32,

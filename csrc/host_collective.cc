@@ -109,8 +109,8 @@ inline void store_block(void* base, size_t bytes, size_t c0, size_t n, const Wor
 // core, or is descheduled: spinning only delays it) halves it, down to kMinSpin.
 class Backoff {
  public:
-  Backoff(const CallArgs& a, InterruptCheck interrupted)
-      : a_(a), interrupted_(interrupted), start_(Clock::now()),
+  Backoff(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted)
+      : a_(a), epoch_(epoch), interrupted_(interrupted), start_(Clock::now()),
         deadline_(start_ + std::chrono::nanoseconds(a.timeout_ns)) {}
   // 0 to keep waiting for the peers in `pending`, or the fault that ends the wait (kPeerTimeout's detail is left
   // for the caller).
@@ -128,7 +128,7 @@ class Backoff {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
     }
     const auto acquire = [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); };
-    if (const uint64_t f = abort_seen(a_, pending, acquire)) return f;
+    if (const uint64_t f = abort_seen(a_, epoch_, pending, acquire)) return f;
     const Clock::time_point now = Clock::now();
     if (interrupted_ != nullptr && now >= next_signal_check_) {
       next_signal_check_ = now + std::chrono::milliseconds(10);
@@ -146,6 +146,7 @@ class Backoff {
   static constexpr uint32_t kSpinsPerClockRead = 16;  // a clock read costs about as much as 16 polls
   static thread_local std::chrono::nanoseconds spin_;
   const CallArgs& a_;
+  uint32_t epoch_;  // the call that waits
   InterruptCheck interrupted_;
   Clock::time_point start_, deadline_;
   Clock::time_point next_signal_check_{};
@@ -161,10 +162,10 @@ thread_local std::chrono::nanoseconds Backoff::spin_{Backoff::kMaxSpin};
 // pending). The set, not one peer at a time: a peer whose process ended fails a wait while it is in the set, so a
 // wait that also needs a late but live peer still fails at once (the kernel's receive() likewise).
 template <class Arrived>
-uint64_t wait_for(const CallArgs& a, uint32_t pending, InterruptCheck interrupted, Arrived arrived) {
+uint64_t wait_for(const CallArgs& a, uint32_t epoch, uint32_t pending, InterruptCheck interrupted, Arrived arrived) {
   arrived(pending);
   if (pending == 0) return 0;  // the common case: no clock read
-  Backoff backoff(a, interrupted);
+  Backoff backoff(a, epoch, interrupted);
   // A fault ends the wait only after one more look: a peer whose call differs writes its call word before it
   // aborts, and this rank should name that call rather than relay the peer's abort.
   for (uint64_t fault = 0;; fault = backoff.pause(pending)) {
@@ -372,11 +373,12 @@ void push(const CallArgs& a, int buffer, uint32_t call) {
 // region) have all arrived; 0 or the fault.
 template <Format F>
 uint64_t wait_chunks(const CallArgs& a, const uint32_t* const* areas, uint32_t from, size_t at, size_t chunks,
-                     uint32_t call, InterruptCheck interrupted) {
+                     uint32_t epoch, InterruptCheck interrupted) {
+  const uint32_t call = make_flag(a.signature, epoch);
   size_t next[kMaxRanks];  // per peer, the first chunk not yet seen whole
   std::fill(next, next + kMaxRanks, at);
   const size_t end = at + chunks;
-  return wait_for(a, from, interrupted, [&](uint32_t& pending) {
+  return wait_for(a, epoch, from, interrupted, [&](uint32_t& pending) {
     for (int s = 0; s < a.world; ++s)
       if ((pending & (1u << s)) && (next[s] = arrived_until<F>(areas[s], next[s], end, call)) == end)
         pending &= ~(1u << s);
@@ -388,13 +390,14 @@ uint64_t wait_chunks(const CallArgs& a, const uint32_t* const* areas, uint32_t f
 // exchange). `done`: bytes of `out` written.
 template <DType D, ReduceOp Op>
 uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, const void* in, void* out,
-                size_t bytes, uint32_t call, const Destinations* forward, InterruptCheck interrupted, size_t& done) {
+                size_t bytes, uint32_t epoch, const Destinations* forward, InterruptCheck interrupted, size_t& done) {
   constexpr Format F = format_of(D);
+  const uint32_t call = make_flag(a.signature, epoch);
   using R = Reducer<D, Op>;
   const size_t chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
   for (size_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     const size_t n = std::min(kBlockChunks, chunks - c0);
-    if (const uint64_t fault = wait_chunks<F>(a, areas, peers_of(a), at + c0, n, call, interrupted)) return fault;
+    if (const uint64_t fault = wait_chunks<F>(a, areas, peers_of(a), at + c0, n, epoch, interrupted)) return fault;
     typename R::Acc acc[kBlockChunks];
     Words staged[kBlockChunks];  // our input, then the output
     load_block(in, bytes, c0, n, staged);
@@ -419,8 +422,9 @@ uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, cons
 // the other phases wait: a peer that ended fails it at once, also while another is late. The wait starts afresh
 // after each copy, so the timeout bounds the time without progress, as a wait per block would.
 template <Format F>
-uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t call, InterruptCheck interrupted) {
+uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t epoch, InterruptCheck interrupted) {
   const Shards& sh = a.shards;
+  const uint32_t call = make_flag(a.signature, epoch);
   size_t copied[kMaxRanks] = {};  // chunks of each peer's shard copied out
   uint32_t owed = peers_of(a);
   const auto copy_arrived = [&] {  // true if it copied anything
@@ -440,7 +444,7 @@ uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint
     return progress;
   };
   while (owed != 0)
-    if (const uint64_t fault = wait_for(a, owed, interrupted, [&](uint32_t& pending) {
+    if (const uint64_t fault = wait_for(a, epoch, owed, interrupted, [&](uint32_t& pending) {
           pending = copy_arrived() ? 0 : owed;
         }))
       return fault;
@@ -463,7 +467,7 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
   // A peer making another call ends the wait at once, and is named before any fault the wait met.
   uint32_t theirs[kMaxRanks] = {};
   int differs = -1;
-  const uint64_t fault = wait_for(a, peers_of(a), interrupted, [&](uint32_t& pending) {
+  const uint64_t fault = wait_for(a, epoch, peers_of(a), interrupted, [&](uint32_t& pending) {
     for (int s = 0; s < a.world; ++s) {
       if (!(pending & (1u << s)) || (theirs[s] = call_of(s)) == kEmpty) continue;
       pending &= ~(1u << s);
@@ -478,7 +482,7 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
   const uint32_t* areas[kMaxRanks] = {};
   for (int s = 0; s < a.world; ++s)
     if (s != a.rank) areas[s] = area(a.local, a.layout, buffer, a.rank, s);
-  if (!sharded(a)) return reduce<D, Op>(a, areas, 0, a.in, a.out, a.bytes, call, nullptr, interrupted, done);
+  if (!sharded(a)) return reduce<D, Op>(a, areas, 0, a.in, a.out, a.bytes, epoch, nullptr, interrupted, done);
 
   const Shards& sh = a.shards;
   const int r = a.rank;
@@ -491,12 +495,12 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
     size_t reduced = 0;
     const char* in = static_cast<const char*>(a.in) + r * a.stride_bytes;
     if (const uint64_t fault = reduce<D, Op>(a, areas, r * sh.slot_chunks, in, two_shot ? out + r * a.stride_bytes : out,
-                                             sh.bytes_of(r), call, two_shot ? &forward : nullptr, interrupted, reduced))
+                                             sh.bytes_of(r), epoch, two_shot ? &forward : nullptr, interrupted, reduced))
       return fault;
     if (!two_shot) return 0;
   }
-  return format_of(a) == Format::kLines ? gather<Format::kLines>(a, areas, out, call, interrupted)
-                                        : gather<format_of(D)>(a, areas, out, call, interrupted);
+  return format_of(a) == Format::kLines ? gather<Format::kLines>(a, areas, out, epoch, interrupted)
+                                        : gather<format_of(D)>(a, areas, out, epoch, interrupted);
 }
 
 // stop_after_push(): the pushes still to make before the test's signal (0: none), and the signal.

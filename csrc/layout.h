@@ -72,6 +72,8 @@
 // over the same transport as the data. Every wait polls its own header at each timer read, so a survivor stops
 // waiting for a peer known to be gone instead of running into the timeout. Abort words are never cleared:
 // a faulted communicator stays faulted, and every output it does not compute is poisoned (poison_word(), fault.h).
+// A rank that closes its communicator without a fault writes a goodbye there instead (Fault::kGoodbye, naming its
+// last call), no fault by itself: it ends only a wait for that rank in a later call (abort_seen(), call_args.h).
 // A reader decodes the cause, so it must read a word whole, which no wire promises for 8 bytes (an RDMA write
 // may land byte by byte; the TCP wire places an abort slot in 4-byte quarters, in random order). So each abort
 // word travels with its check word, its bitwise complement, in one slot, and a reader takes the word only when

@@ -57,8 +57,9 @@ class CollectiveKernel {
   // follows the last one launched (every launch was eager), by watching the device's call counter, so that other
   // work on the device (the user's, other communicators') is not waited for; with kNoEpoch (calls were captured,
   // and a graph may replay them on any stream), or if the counter has not got there within `bound_s`, by waiting
-  // for the whole device. Never throws. The object may be destroyed only after it returned.
-  virtual void wait_idle(uint32_t next_epoch, double bound_s) noexcept = 0;
+  // for the whole device. Returns the device's call counter then (the number the next call would take), or
+  // kNoEpoch if CUDA failed. Never throws. The object may be destroyed only after it returned.
+  virtual uint32_t wait_idle(uint32_t next_epoch, double bound_s) noexcept = 0;
   // Network transports: pins host memory [host, host + bytes) and maps it for the kernel (the receive region, the
   // image, the mailbox), its device address in `device_address`. The mapping lasts as long as the returned
   // handle (which may outlive this object); release it before the memory is freed, and after our kernels ended.

@@ -28,7 +28,7 @@
 // every peer (abort words); from then on every chunk it and any later launch would have computed is poisoned
 // instead, decided here on the device, so graph replays after a fault produce NaN (int32: INT32_MIN), never a
 // stale or partial sum. A fused row is computed whole or poisoned whole (residual_out and
-// norm_out alike).
+// norm_out alike); a sharded call, its whole output (poison_if_faulted()).
 #include "../chunk_reduce.h"
 #include "../fault.h"
 #include "chunk_io.cuh"
@@ -53,15 +53,27 @@ __device__ __forceinline__ void note(const CallArgs& a, uint32_t epoch, Timeline
 }
 
 // Records `fault` (a timeout's peers are merged across threads) and, for the first fault of the
-// communicator, writes our abort word into every peer's region.
+// communicator, writes our abort word into every peer's region. The record is written under the record lock, its
+// sequence odd meanwhile (FaultRecord, fault.h): threads of one launch may record at once, for two calls of it.
+// A rare path: a spinning thread lets the holder's warp go on (independent thread scheduling, sm_70 and up).
 __device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
   const bool timeout = fault_kind(fault) == Fault::kPeerTimeout;
   const uint32_t missing = timeout ? fault_detail(fault) : 0;
+  while (atomicCAS(s.record_lock, 0u, 1u) != 0u) {
+  }
+  __threadfence();  // the previous holder's writes, before ours
   const uint32_t before = atomicOr(s.fault_mask, kFaulted | (timeout ? 0 : kNotATimeout) | missing);
-  if (before & kNotATimeout) return;
-  if (timeout) fault = encode_fault(Fault::kPeerTimeout, (before | missing) & 0xFFFFFFu, 0);
-  store_release_sys(&s.record->epoch, epoch);
-  store_release_sys(&s.record->word, fault);
+  if (!(before & kNotATimeout)) {
+    if (timeout) fault = encode_fault(Fault::kPeerTimeout, (before | missing) & 0xFFFFFFu, 0);
+    const uint32_t sequence = load_acquire_sys(&s.record->sequence);  // only a lock holder writes it
+    store_release_sys(&s.record->sequence, sequence + 1);
+    __threadfence_system();  // odd, before the fields change
+    store_release_sys(&s.record->epoch, epoch);
+    store_release_sys(&s.record->word, fault);
+    store_release_sys(&s.record->sequence, sequence + 2);
+  }
+  __threadfence_system();
+  atomicExch(s.record_lock, 0u);
   if (before != 0) return;
   // Network peers are told by the host, which reads this record (Communicator::current_fault()).
 #pragma unroll
@@ -99,11 +111,11 @@ __device__ bool ring_doorbell(const CallArgs& a, const DeviceState& s, int index
 
 // At a timer read: 0 to keep waiting, or the fault that ends the wait (an earlier fault of this launch is
 // reported as already recorded: kFaulted).
-__device__ uint64_t check_waiting(const CallArgs& a, const DeviceState& s, uint64_t now, uint64_t deadline,
-                                  uint32_t pending) {
+__device__ uint64_t check_waiting(const CallArgs& a, const DeviceState& s, uint32_t epoch, uint64_t now,
+                                  uint64_t deadline, uint32_t pending) {
   if (*reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0) return kFaulted;
   const bool host = a.network != 0;  // the region is host memory (memory_order.cuh)
-  if (const uint64_t f = abort_seen(a, pending, [host](const uint64_t* w) {
+  if (const uint64_t f = abort_seen(a, epoch, pending, [host](const uint64_t* w) {
         if (!host) return load_acquire_sys(w);
         const uint64_t v = load_host_word(w);
         if (v != 0) fence_acquire_sys();
@@ -162,7 +174,7 @@ __device__ __forceinline__ bool receive(const CallArgs& a, const DeviceState& s,
     if (polls % kPollsPerClockRead == 0) {
       const uint64_t now = global_timer_ns();
       if (deadline == 0) deadline = now + a.timeout_ns;
-      fault = check_waiting(a, s, now, deadline, pending);
+      fault = check_waiting(a, s, epoch, now, deadline, pending);
     }
   }
 }
@@ -405,6 +417,32 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
   end_launch(a, s, epoch, first);
 }
 
+// A faulted sharded call poisons its whole output (docs/guarantees.md), also the chunks that threads finished
+// before the fault: the launch's last CTA to finish, after which no other CTA writes, poisons all of it when the
+// fault mask is set (a thread sets it before its CTA counts). Every thread of the launch takes part.
+__device__ __forceinline__ void poison_if_faulted(const CallArgs& a, const DeviceState& s) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's output, before it counts
+    last = atomicAdd(s.finished, 1u) == gridDim.x - 1;
+    if (last) {
+      *s.finished = 0;  // for the next launch, which starts after this one completed
+      __threadfence();  // every CTA's output (each fenced before its count), before our poison
+    }
+  }
+  __syncthreads();
+  if (!last || *reinterpret_cast<volatile uint32_t*>(s.fault_mask) == 0) return;
+  const Shards& sh = a.shards;
+  const bool own_only = a.collective == Collective::kReduceScatter;  // its output is our reduced shard
+  for (int t = 0; t < a.world; ++t) {
+    if (own_only && t != a.rank) continue;
+    char* const shard = static_cast<char*>(a.out) + (own_only ? 0 : size_t(t) * a.stride_bytes);
+    for (size_t j = threadIdx.x; j < sh.chunks_of(t); j += blockDim.x)
+      store_poison(shard, j * kChunkBytes, sh.bytes_of(t), a.dtype);
+  }
+}
+
 // Two-shot all-reduce, reduce-scatter and all-gather (layout.h, Shards), one launch each:
 //   push:   shard t of our input into our area of rank t's region, at slot t (a network peer's image: every shard
 //           but ours, as the host loop does); an all-gather: our shard, at our slot, into every peer's, and into
@@ -419,7 +457,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
 // only for the peers' reduce, which waits for nothing else; every CTA of a launch is resident at once. A thread
 // touches a chunk of the caller's tensors in one phase only (in place: it reads the input chunk before it writes
 // the output there), except the gather's chunks, which the same thread pushed before: both walk the slots'
-// chunks as first + k * stride. A thread that fails poisons each output chunk it had still to write.
+// chunks as first + k * stride. A thread that fails poisons each output chunk it had still to write, and the launch's
+// last CTA then the whole output (poison_if_faulted()).
 template <DType D, ReduceOp Op, int W, Collective Kind>
 __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, const DeviceState s) {
   constexpr Format F = format_of(Kind, D);
@@ -541,6 +580,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
       store_poison(out + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype);
     }
   }
+  poison_if_faulted(a, s);
   end_launch(a, s, last, first);
 }
 

@@ -27,8 +27,12 @@ struct DeviceState {
   uint32_t* fault_mask;
   // footprints[b]: footprint_of() the last call that used buffer b, which the next call resets (layout.h).
   uint32_t* footprints;
-  // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host.
+  // Mapped host memory: the first fault (for timeouts, the union of missing peers), read by the host; written
+  // only under record_lock (0: free), a device word.
   FaultRecord* record;
+  uint32_t* record_lock;
+  // Sharded calls: CTAs of the launch that have finished (collective_kernels.cu, poison_if_faulted()).
+  uint32_t* finished;
   // Network peers, per call of the launch (calls_of(): sent[0], sent[1]): CTAs that have finished their stores of
   // that call into the images, and those of them that sent nothing (collective_kernels.cu, ring_doorbell()).
   uint32_t* sent;

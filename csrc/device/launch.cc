@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <thread>
@@ -18,6 +19,8 @@
 
 namespace rocenante {
 namespace {
+
+constexpr int kRecordReads = 1000;  // CudaCollectiveKernel::fault()'s reads of the record, at most
 
 struct LaunchShape {
   int blocks;
@@ -74,14 +77,16 @@ class CudaCollectiveKernel final : public CollectiveKernel {
       for (const auto& per_op : max_blocks_)
         for (const auto& per_variant : per_op)
           for (const int blocks : per_variant) state_.copies = std::max(state_.copies, blocks);
-      // One allocation: epochs[kMaxBlocks], fault_mask, footprints[kBuffers], sent[2], reduced.
-      constexpr size_t kWords = kMaxBlocks + 1 + kBuffers + 2 + 1;
+      // One allocation: epochs[kMaxBlocks], fault_mask, record_lock, finished, footprints[kBuffers], sent[2], reduced.
+      constexpr size_t kWords = kMaxBlocks + 1 + 1 + 1 + kBuffers + 2 + 1;
       ROCENANTE_CHECK_CUDA(cudaMalloc(&state_.epochs, kWords * sizeof(uint32_t)));
       state_.fault_mask = state_.epochs + kMaxBlocks;
-      state_.footprints = state_.fault_mask + 1;
+      state_.record_lock = state_.fault_mask + 1;
+      state_.finished = state_.record_lock + 1;
+      state_.footprints = state_.finished + 1;
       state_.sent = state_.footprints + kBuffers;
       state_.reduced = state_.sent + 2;
-      std::vector<uint32_t> init(kWords, 0);  // no fault; every buffer is empty; nothing sent
+      std::vector<uint32_t> init(kWords, 0);  // no fault, the lock free; every buffer is empty; nothing sent
       std::fill(init.begin(), init.begin() + kMaxBlocks, first_epoch);  // every rank starts at the same call
       init.back() = kNoEpoch;  // no launch has reduced yet
       ROCENANTE_CHECK_CUDA(cudaMemcpy(state_.epochs, init.data(), init.size() * sizeof(uint32_t), cudaMemcpyHostToDevice));
@@ -109,13 +114,24 @@ class CudaCollectiveKernel final : public CollectiveKernel {
     cudaSetDevice(previous);
   }
 
-  void wait_idle(uint32_t next, double bound_s) noexcept override {
+  uint32_t wait_idle(uint32_t next, double bound_s) noexcept override {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(device_);
-    if (next == kNoEpoch || !epochs_reach(next, bound_s)) cudaDeviceSynchronize();
+    uint32_t counter = next;
+    if (next == kNoEpoch || !epochs_reach(next, bound_s)) {
+      // Idle once the device is: then every copy holds the counter, unless a launch failed midway.
+      uint32_t* const copies = epoch_copies_;
+      const bool read = cudaDeviceSynchronize() == cudaSuccess &&
+                        cudaMemcpy(copies, state_.epochs, state_.copies * sizeof(uint32_t), cudaMemcpyDeviceToHost) ==
+                            cudaSuccess;
+      counter = read && std::all_of(copies, copies + state_.copies, [&](uint32_t e) { return e == copies[0]; })
+                    ? copies[0]
+                    : kNoEpoch;
+    }
     cudaGetLastError();  // a failure here is not the next launch's error (cuda_check.h)
     cudaSetDevice(previous);
+    return counter;
   }
 
   bool launch(const CallArgs& args, uintptr_t stream_handle) override {
@@ -183,10 +199,19 @@ class CudaCollectiveKernel final : public CollectiveKernel {
   int64_t clock_offset_ns() override { return measure_clock_offset_ns(device_); }
 #endif
 
+  // A word and an epoch of one writer (FaultRecord): read between two equal, even reads of the sequence. A
+  // writer holds it odd for a few stores; should a launch die midway (a sticky CUDA error, the context lost), the
+  // last read is taken after kRecordReads.
   FaultRecord fault() const override {
     FaultRecord r{};
-    r.word = __atomic_load_n(&host_->word, __ATOMIC_ACQUIRE);
-    if (r.word != 0) r.epoch = __atomic_load_n(&host_->epoch, __ATOMIC_RELAXED);
+    for (int read = 0; read < kRecordReads; ++read) {
+      const uint32_t sequence = __atomic_load_n(&host_->sequence, __ATOMIC_ACQUIRE);
+      r.word = __atomic_load_n(&host_->word, __ATOMIC_ACQUIRE);
+      r.epoch = __atomic_load_n(&host_->epoch, __ATOMIC_ACQUIRE);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (sequence % 2 == 0 && __atomic_load_n(&host_->sequence, __ATOMIC_RELAXED) == sequence) break;
+    }
+    if (r.word == 0) r.epoch = 0;
     return r;
   }
 

@@ -67,7 +67,8 @@ class Proxy final : public Transport {
       region_ = wire_->local_region();
       image_ = wire_->peer_region(rank == 0 ? 1 : 0);
       mapped_mailbox_ = mailbox_;
-      flags_ = arrival_flags(region_);  // the host's address, before region_ becomes the reducer's
+      host_region_ = region_;  // before region_ becomes the reducer's
+      flags_ = arrival_flags(region_);
       if (map_host) {
         void* address = nullptr;
         mappings_[0] = map_host(region_, layout_.region_bytes(), address);
@@ -147,7 +148,7 @@ class Proxy final : public Transport {
         if (posted > 0) {
           uint64_t failed = 0;
           const bool done = wire_->delivered(failed);
-          if (failed != 0 && !closed_connection(failed, closed, closures)) fault = failed;
+          if (failed != 0 && !closure(failed)) fault = failed;
           if (done || failed != 0) {
             for (uint32_t e = send; posted > 0; --posted) {
               e = previous_epoch(e);
@@ -180,18 +181,27 @@ class Proxy final : public Transport {
             if (p == rank_ || closed[p] || receive[p] != rung) continue;
             uint64_t failed = 0;
             wire_->probe(p, failed);
-            if (failed != 0 && !closed_connection(failed, closed, closures)) fault = failed;
+            if (failed != 0 && !closure(failed)) fault = failed;
           }
         }
-        // A closed peer fails this rank only once this rank is in a call that peer has not delivered. Of several,
-        // the one that closed first is named: a peer that closed later may have closed on a fault of its own
-        // caused by the first (its abort word says so), and naming it would blame a rank that was alive.
+        // A closed peer fails this rank only once this rank is in a call that peer has not delivered, unless its
+        // goodbye says it never made that call: the reducer's wait names it then (abort_seen()). Of several, one
+        // that closed without an abort word is named, and of those the first closed: a peer that closed on a fault
+        // of its own (perhaps caused by another's end) sent its abort word first, over the same connection, and that
+        // word names the cause; naming the peer would blame a rank that was alive. Closures seen in one turn are
+        // ordered by rank, not time, which is why the abort words decide first.
         if (fault == 0 && rung != kNoEpoch) {
-          int first_closed = -1;
-          for (int p = 0; p < world; ++p)
-            if (closed[p] != 0 && receive[p] == rung && (first_closed < 0 || closed[p] < closed[first_closed]))
-              first_closed = p;
-          if (first_closed >= 0) fault = encode_fault(Fault::kTransport, uint32_t(first_closed), kConnectionClosed);
+          int named = -1;
+          bool named_aborted = false;
+          for (int p = 0; p < world; ++p) {
+            if (closed[p] == 0 || receive[p] != rung) continue;
+            const uint64_t said = word_of(p);
+            if (fault_kind(said) == Fault::kGoodbye && !epoch_at_or_before(rung, fault_value(said))) continue;
+            const bool aborted = said != 0 && fault_kind(said) != Fault::kGoodbye;
+            if (named < 0 || named_aborted > aborted || (named_aborted == aborted && closed[p] < closed[named]))
+              named = p, named_aborted = aborted;
+          }
+          if (named >= 0) fault = encode_fault(Fault::kTransport, uint32_t(named), kConnectionClosed);
         }
         if (fault != 0) {
           tell(rank_, fault);
@@ -218,10 +228,21 @@ class Proxy final : public Transport {
     wire_->post_abort(peer, word);
   }
 
-  // A connection that closed is recorded in `closed`, in the order of closing (no failure by itself); true if
-  // `fault` was one.
+  // The word in peer p's abort slot of our region, once whole (layout.h, Abort words); else 0.
+  uint64_t word_of(int p) const {
+    const uint64_t w = __atomic_load_n(abort_word(host_region_, p), __ATOMIC_ACQUIRE);
+    return abort_whole(w, __atomic_load_n(abort_check(host_region_, p), __ATOMIC_ACQUIRE)) ? w : 0;
+  }
+
+  // Whether `fault` is a connection that closed: no failure by itself (run()).
+  static bool closure(uint64_t fault) {
+    return fault_kind(fault) == Fault::kTransport && fault_value(fault) == kConnectionClosed;
+  }
+  // A closure that arrived() reported (the receiving side: after everything the peer sent before it was placed,
+  // its abort word included, transport.h; a send may see the close first) is recorded in `closed`, in the order
+  // seen. True if `fault` was one.
   static bool closed_connection(uint64_t fault, uint32_t (&closed)[kMaxRanks], uint32_t& closures) {
-    if (fault_kind(fault) != Fault::kTransport || fault_value(fault) != kConnectionClosed) return false;
+    if (!closure(fault)) return false;
     uint32_t& order = closed[fault_detail(fault) % kMaxRanks];
     if (order == 0) order = ++closures;
     return true;
@@ -248,7 +269,8 @@ class Proxy final : public Transport {
   Mailbox* mapped_mailbox_ = nullptr;  // the reducer's
   uint32_t* region_ = nullptr;         // the reducer's addresses of the wire's region and image
   uint32_t* image_ = nullptr;
-  const uint32_t* flags_ = nullptr;     // the region's arrival flags, host address, the thread's
+  uint32_t* host_region_ = nullptr;      // the region, host address, the thread's
+  const uint32_t* flags_ = nullptr;     // its arrival flags
   const uint32_t* arrivals_ = nullptr;  // the arrival words the reducer waits for, its address
   std::shared_ptr<void> mappings_[3];  // a kernel's mappings of region, image and mailbox
   std::mutex mutex_;

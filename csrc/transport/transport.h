@@ -80,7 +80,8 @@ enum class Signal : uint32_t {
 //   receiver: kCompletion: arrived(p) is true while a signal of p has arrived that consume(p) has not yet
 //             taken; everything p delivered before that signal is then in the region, whole. kFlag: arrived(p)
 //             is never true (the flags say it, layout.h). Either way a broken connection comes back through
-//             `fault`, after every signal that arrived before the break.
+//             `fault` (from arrived(p): after every signal and abort word that arrived before the break was placed;
+//             delivered() and probe() may see it first).
 //   liveness: probe(p), which the proxy calls every kProbeInterval (proxy.cc) while this rank waits for p's
 //             delivery: if nothing is in flight to p, the wire sends p a message that p's transport (its NIC,
 //             its host's TCP stack), not its process, acknowledges; anything unacknowledged for

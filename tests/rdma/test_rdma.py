@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import peer_exit
 import rocenante
 from multiproc import all_arrived, end_this_process_later, expect_ok, run_ranks
 from probes import MAPS_TOLERANCE, host_probe
@@ -167,12 +168,13 @@ def test_stopped_peer_times_out_and_learns_of_it_when_continued():
 
 
 def _peer_vanishes(store, rank, world):
-    """Rank 1 destroys its queue pairs without telling rank 0 (its process lives on, so no watchdog sees it):
-    rank 0's next write gets no acknowledgement and must fail naming rank 1 and the verbs status."""
+    """Rank 1 destroys its queue pairs without telling rank 0 (no goodbye; its process lives on, so no watchdog sees
+    it): rank 0's next write gets no acknowledgement and must fail naming rank 1 and the verbs status."""
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
     comm.all_reduce(torch.ones(16))
     all_arrived(store, world, "first call done")
     if rank == 1:
+        rocenante._C._test_skip_goodbyes(True)
         comm.close()
         all_arrived(store, world, "closed")
         all_arrived(store, world, "done")  # alive until rank 0 is done: its watchdog must not see us end
@@ -203,6 +205,7 @@ def _peer_vanishes_while_waited_for(store, rank, world):
     all_arrived(store, world, "first call done")
     if rank == 1:
         time.sleep(2.0)  # rank 0 is waiting by now, its data to us acknowledged
+        rocenante._C._test_skip_goodbyes(True)  # as a host that went down
         comm.close()
         store.set("gone_at", repr(time.monotonic()))  # CLOCK_MONOTONIC: one clock for every process of the VM
         all_arrived(store, world, "done")
@@ -224,6 +227,14 @@ def test_a_peer_that_vanishes_while_waited_for_fails_the_wait_naming_it():
     assert re.search(r"the network path to rank 1 failed: .*\(verbs status (5|12)\)", message), message
     assert poisoned
     assert elapsed < 10.0, f"took {elapsed:.1f} s (retransmission budget about 1.9 s; the timeout is 120 s)"
+
+
+def test_a_peer_that_closed_fails_the_waits_for_it_at_once():
+    peer_exit.check_closed(run(2, peer_exit.rank_zero_closes_and_lives_on, "cpu"))
+
+
+def test_a_goodbye_fails_no_call_the_closed_peer_made():
+    peer_exit.check_goodbyes(run(2, peer_exit.closes_right_after_its_calls, "cpu", 3, 3))
 
 
 # (environment, what happens): setup errors name the device (and the peer), never a silent fallback.
