@@ -10,8 +10,16 @@ Rules (docs/rdma.md, "Choice of device, port and GID"):
     error naming it and the peers it would serve, never a silent fallback;
   - GID: ROCENANTE_IB_GID_INDEX (else NCCL_IB_GID_INDEX) when set, and it must be a RoCE v2 GID; else the
     lowest-index RoCE v2 GID holding an IPv4-mapped address (::ffff:a.b.c.d);
-  - spreading: with n candidate ports, rank r reaches peer p through candidate (r + p) mod n, so both ends of
-    a connection use the same candidate position (the same rail when hosts are cabled alike).
+  - routes: every rank publishes its candidates' addresses (the IPv4 of each one's GID); a local candidate
+    reaches a peer's address when the kernel's IPv4 routing table (/proc/net/route: connected subnets and
+    gateway routes alike) would send to it through that candidate's interface: its most specific route there is
+    as specific as the best route anywhere (so a route through an interface without RDMA, such as a management
+    port's default route, wins and leaves the address unreached). A pair of ports serves two ranks only when
+    each end reaches the other's address (a second exchange); ranks with no such pair are an error on every rank
+    naming every such pair. Without routing facts (a GID with no IPv4 address, no interface in sysfs) every
+    candidate is taken to reach every peer, as on one switch;
+  - spreading: of the pairs of ports that serve ranks r and p, as many as share no port (in a canonical order
+    both ends compute alike), rank r reaches p through pair (r + p) mod their number (the same rail at both ends).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from rocenante import _C
 
@@ -53,6 +61,7 @@ class Port:
     state: str  # "ACTIVE", "DOWN", ...
     link_layer: str  # "Ethernet" (RoCE) or "InfiniBand"
     gids: list = field(default_factory=list)
+    netdevs: dict = field(default_factory=dict)  # GID index -> its network interface, where sysfs says
 
     @property
     def name(self) -> str:
@@ -81,8 +90,57 @@ def scan(root: str = SYSFS) -> list[Port]:
                 gid = _read(os.path.join(gid_dir, name))
                 if gid and any(c not in "0:" for c in gid):
                     gids.append(Gid(int(name), gid, _read(os.path.join(base, "gid_attrs", "types", name))))
-            ports.append(Port(device, int(port), state.split(":")[-1].strip(), _read(os.path.join(base, "link_layer")), gids))
+            netdevs = {g.index: _read(os.path.join(base, "gid_attrs", "ndevs", str(g.index))) for g in gids}
+            ports.append(Port(device, int(port), state.split(":")[-1].strip(), _read(os.path.join(base, "link_layer")),
+                              gids, {i: n for i, n in netdevs.items() if n}))
     return ports
+
+
+@dataclass
+class Route:
+    iface: str
+    network: int  # the destination, an IPv4 address as an integer (_address())
+    prefix: int  # its length in bits
+
+
+def routes(path: str = "/proc/net/route") -> list[Route]:
+    """The kernel's IPv4 routes of the main table (policy routing is not read)."""
+    table = []
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return table
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 8 or not int(fields[3], 16) & 1:  # RTF_UP
+            continue
+        # The kernel prints each address's 32-bit word as the (little-endian) host holds it: read back, the bytes
+        # come in network order.
+        network = int.from_bytes(bytes.fromhex(fields[1]), "little")
+        mask = int.from_bytes(bytes.fromhex(fields[7]), "little")
+        table.append(Route(fields[0], network, bin(mask).count("1")))
+    return table
+
+
+def _address(text: str) -> int:
+    a, b, c, d = (int(x) for x in text.split("."))
+    return (a << 24) | (b << 16) | (c << 8) | d
+
+
+def reaches(iface: str, address: str, table: list[Route]) -> bool:
+    """Whether the kernel would send to `address` through `iface`: the most specific route matching it there is
+    as specific as any."""
+    target = _address(address)
+
+    def matching(r: Route) -> bool:
+        mask = ((1 << 32) - 1) ^ ((1 << (32 - r.prefix)) - 1)
+        return (target & mask) == (r.network & mask)
+
+    best = [r.prefix for r in table if matching(r)]
+    here = [r.prefix for r in table if r.iface == iface and matching(r)]
+    return bool(here) and max(here) == max(best)
+
 
 
 @dataclass
@@ -156,11 +214,79 @@ def _peers(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks) if ranks else "no peer at this world size"
 
 
+# How ranks share what choose_paths() needs of each other: (round, this rank's value, JSON-able) -> every rank's
+# value, by rank (communicator.py passes one over the rendezvous store).
+Exchange = Callable[[str, object], list]
+
+_MAX_PORTS = 64  # ports a peer may publish: more is hostile
+
+
 def choose_paths(rank: int, world: int, ports: list[Port], hca: Optional[HcaSpec], gid_index: Optional[int],
-                 gid_source: str = "ROCENANTE_IB_GID_INDEX") -> list[Optional[Path]]:
-    """The path to each peer (None at this rank's own position). Raises RdmaSetupError naming the device and
-    the peers it would serve when the configuration cannot work."""
+                 gid_source: str = "ROCENANTE_IB_GID_INDEX", exchange: Optional[Exchange] = None,
+                 table: Optional[list[Route]] = None) -> list[Optional[Path]]:
+    """The path to each peer (None at this rank's own position), by the rules above. Without `exchange` every peer
+    is taken to have this rank's ports (one host). Raises RdmaSetupError naming the device and the peers it would
+    serve, or the ranks no route joins, when the configuration cannot work."""
     peers = [p for p in range(world) if p != rank]
+    candidates, why = _candidates(ports, hca, peers)
+    usable = []
+    for port in candidates:
+        if port.link_layer != "Ethernet":
+            raise RdmaSetupError(f"{port.name} (for {_peers(peers)}, {why}) has link layer "
+                                 f"{port.link_layer or 'unknown'}: rocenante speaks RoCE v2 only")
+        if port.state != "ACTIVE":
+            print(f"rocenante: rank {rank}: {port.name} ({why}) is {port.state or 'in an unknown state'}, not ACTIVE: "
+                  "not used (is it cabled and its link up?)", file=sys.stderr, flush=True)
+            continue
+        usable.append((port, *_gid_for(port, gid_index, gid_source, _peers(peers))))
+    if not usable:
+        raise RdmaSetupError(f"no usable RDMA port for {_peers(peers)}: every port {why} is down: "
+                             + ", ".join(f"{p.name} ({p.state})" for p in candidates))
+    addresses = [_ipv4(gid) for _, _, gid, _ in usable]
+    netdevs = [port.netdevs.get(index, "") for port, index, _, _ in usable]
+    mine = [[port.device, port.port, address] for (port, _, _, _), address in zip(usable, addresses)]
+    everyone = [_checked_ports(r, v) for r, v in enumerate(exchange("ports", mine))] if exchange else [mine] * world
+    table = routes() if table is None else table
+    routed = all(addresses) and all(netdevs) and all(a for ports_of in everyone for _, _, a in ports_of)
+    pairs = {}  # peer -> [i, j]: our usable[i] reaches its port j
+    for p in peers:
+        pairs[p] = [[i, j] for i in range(len(usable)) for j, (_, _, a) in enumerate(everyone[p])
+                    if not routed or reaches(netdevs[i], a, table)]
+    if exchange:
+        # A pair serves two ranks only if each end reaches the other: every rank's view, so that all decide alike.
+        views = exchange("pairs", {str(p): pairs[p] for p in peers})
+
+        def agreed(a: int, b: int) -> list:  # a's [i, j] toward b that b reaches back as [j, i]
+            back = _pairs_of(views[b], a)
+            return [pair for pair in _pairs_of(views[a], b) if [pair[1], pair[0]] in back]
+
+        unreached = [(a, b) for a in range(world) for b in range(a + 1, world) if not agreed(a, b)]
+        pairs = {p: agreed(rank, p) for p in peers}
+    else:
+        unreached = [(min(rank, p), max(rank, p)) for p in peers if not pairs[p]]
+    if unreached:
+        raise RdmaSetupError(
+            "no RDMA route between " + "; ".join(f"ranks {a} and {b}" for a, b in unreached) + " (the ports each "
+            "publishes: " + "; ".join(f"rank {r}: " + ", ".join(f"{d} port {n} ({a or 'no IPv4 GID'})" for d, n, a in
+                                                               everyone[r]) for r in sorted({x for u in unreached for x in u}))
+            + "): cable them, put them on one switch, or route between them (IP forwarding on a host between); "
+            "ROCENANTE_IB_HCA/NCCL_IB_HCA limit the ports considered")
+    paths: list[Optional[Path]] = [None] * world
+    for p in peers:
+        rails = _rails(sorted(pair if rank < p else pair[::-1] for pair in pairs[p]))
+        rail = rails[(rank + p) % len(rails)]
+        i = rail[0] if rank < p else rail[1]
+        port, index, gid, gid_why = usable[i]
+        how = (f"reaches rank {p}'s {everyone[p][rail[1] if rank < p else rail[0]][2]} through {netdevs[i]} by the "
+               "kernel's routes" if routed else "every port taken to reach every peer (no IPv4 routing facts)")
+        spread = f"; rail {(rank + p) % len(rails) + 1} of {len(rails)} by (rank + peer) mod {len(rails)}" \
+            if len(rails) > 1 else ""
+        paths[p] = Path(port.device, port.port, index, gid, f"{why}; {gid_why}; {how}{spread}")
+    return paths
+
+
+def _candidates(ports: list[Port], hca: Optional[HcaSpec], peers: list) -> tuple[list[Port], str]:
+    """The ports considered, and why."""
     present = ", ".join(f"{p.name} ({p.state}, {p.link_layer})" for p in ports) or "none"
     if hca is not None and not hca.exclude:
         candidates = []
@@ -170,35 +296,53 @@ def choose_paths(rank: int, world: int, ports: list[Port], hca: Optional[HcaSpec
                 what = entry[0] + (f":{entry[1]}" if entry[1] is not None else "")
                 raise RdmaSetupError(f"{hca.source} lists {what}, which matches no RDMA port here (present: {present})")
             candidates += [p for p in found if p not in candidates]
-        why = f"listed by {hca.source}"
-    else:
-        candidates = [p for p in ports if p.state == "ACTIVE" and p.link_layer == "Ethernet"]
-        why = "ACTIVE RoCE port"
-        if hca is not None:
-            candidates = [p for p in candidates if not any(hca.matches(p, e) for e in hca.entries)]
-            why += f", not excluded by {hca.source}"
-        if not candidates:
-            raise RdmaSetupError(f"no usable RDMA port for {_peers(peers)}: none is ACTIVE with an Ethernet (RoCE) link"
-                                 f"{' outside ' + hca.source if hca is not None else ''} (present: {present})")
-    # Which peers each candidate serves, so that a bad one is named with them.
-    served = {i: [p for p in peers if (rank + p) % len(candidates) == i] for i in range(len(candidates))}
-    gids = {}
-    for i, port in enumerate(candidates):
-        who = _peers(served[i])
-        if port.state != "ACTIVE":
-            raise RdmaSetupError(f"{port.name} (for {who}, {why}) is {port.state or 'in an unknown state'}, not ACTIVE: "
-                                 "is it cabled and its link up? Remove it from the list or fix the link")
-        if port.link_layer != "Ethernet":
-            raise RdmaSetupError(f"{port.name} (for {who}, {why}) has link layer {port.link_layer or 'unknown'}: "
-                                 "rocenante speaks RoCE v2 only")
-        gids[i] = _gid_for(port, gid_index, gid_source, who)
-    paths: list[Optional[Path]] = [None] * world
-    for p in peers:
-        i = (rank + p) % len(candidates)
-        index, gid, gid_why = gids[i]
-        spread = f"; peers spread over {len(candidates)} ports by (rank + peer) mod {len(candidates)}" if len(candidates) > 1 else ""
-        paths[p] = Path(candidates[i].device, candidates[i].port, index, gid, f"{why}; {gid_why}{spread}")
-    return paths
+        return candidates, f"listed by {hca.source}"
+    candidates = [p for p in ports if p.state == "ACTIVE" and p.link_layer == "Ethernet"]
+    why = "ACTIVE RoCE port"
+    if hca is not None:
+        candidates = [p for p in candidates if not any(hca.matches(p, e) for e in hca.entries)]
+        why += f", not excluded by {hca.source}"
+    if not candidates:
+        raise RdmaSetupError(f"no usable RDMA port for {_peers(peers)}: none is ACTIVE with an Ethernet (RoCE) link"
+                             f"{' outside ' + hca.source if hca is not None else ''} (present: {present})")
+    return candidates, why
+
+
+def _ipv4(gid: str) -> Optional[str]:
+    return Gid(0, gid, "").ipv4
+
+
+def _checked_ports(rank: int, value) -> list:
+    """Rank `rank`'s published ports, as read from the store: anything may have written them."""
+    ok = isinstance(value, list) and len(value) <= _MAX_PORTS and all(
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[1], int)
+        and (e[2] is None or (isinstance(e[2], str) and _is_ipv4(e[2]))) for e in value)
+    if not ok:
+        raise RdmaSetupError(f"rank {rank} published RDMA ports that cannot be read: {str(value)[:200]!r}")
+    return value
+
+
+def _pairs_of(view, peer: int) -> list:
+    """The pairs a rank's published view lists toward `peer`; what cannot be read counts as none (hostile input)."""
+    pairs = view.get(str(peer), []) if isinstance(view, dict) else []
+    return [p for p in pairs if isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)] \
+        if isinstance(pairs, list) else []
+
+
+def _is_ipv4(text: str) -> bool:
+    parts = text.split(".")
+    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
+
+
+def _rails(pairs: list) -> list:
+    """Of `pairs` (in order), each one that shares no port with one taken before it: ports used once per peer."""
+    rails, left, right = [], set(), set()
+    for a, b in pairs:
+        if a not in left and b not in right:
+            rails.append((a, b))
+            left.add(a)
+            right.add(b)
+    return rails
 
 
 _logged: set = set()

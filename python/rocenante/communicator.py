@@ -3,6 +3,7 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import nullcontext
@@ -115,6 +116,22 @@ def _wait_for_ranks(store, prefix: str, keys: list[str], world_size: int, timeou
         pause = min(pause * 2, 0.05)
 
 
+def _exchange(store, prefix: str, rank: int, world_size: int, timeout_s: float) -> _ib.Exchange:
+    """What _ib.choose_paths() shares with the peers, through the store: each round's values of every rank."""
+    def exchange(round_: str, value) -> list:
+        keys = [f"{prefix}/ib/{round_}/{r}" for r in range(world_size)]
+        store.set(keys[rank], json.dumps(value))
+        _wait_for_ranks(store, prefix, keys, world_size, timeout_s, f"publish its RDMA {round_}")
+        values = []
+        for r, key in enumerate(keys):
+            try:
+                values.append(json.loads(store.get(key)))
+            except ValueError:
+                raise _ib.RdmaSetupError(f"rank {r} published RDMA {round_} that cannot be read") from None
+        return values
+    return exchange
+
+
 # A host record is "host|net|nonce" (_choose_net); a host id is at most this long (a host name is <= 64 bytes,
 # a boot id 36).
 _MAX_HOST_ID = 256
@@ -141,7 +158,9 @@ class Communicator:
 
     ``name`` (default ``"default"``; with ``group=``, the group's name) keys the rendezvous: communicators built
     at the same time on one store need distinct names. A name may be reused once its previous communicator is built.
-    ``net`` (default: ``ROCENANTE_NET``) is ``""``, ``"ib"`` or ``"tcp"``, as that variable.
+    ``net`` (default: ``ROCENANTE_NET``) is ``""``, ``"ib"`` or ``"tcp"``, as that variable. Once built, ``net`` is
+    the path taken (``"shm"``, ``"ib"``, ``"tcp"``) and, over RDMA, ``ib_paths[p]`` the device, port and GID that
+    reach peer ``p`` and why (docs/rdma.md; empty on other paths).
     """
 
     def __init__(
@@ -188,12 +207,14 @@ class Communicator:
             ordinal = -1 if self.device.type == "cpu" else self.device.index
             on_fault = _C.OnFault.abort if _env.on_fault() == "abort" else _C.OnFault.raise_
             self.net = self._choose_net(store, prefix, _env.net() if net is None else _env.parse_net(net, "net"))
-            paths = []
+            paths, self.ib_paths = [], []
             if self.net == "ib":
                 gid_index, gid_source = _env.ib_gid_index()
                 chosen = _ib.choose_paths(rank, world_size, _ib.scan(), _env.ib_hca(), gid_index, gid_source or
-                                          "ROCENANTE_IB_GID_INDEX")
+                                          "ROCENANTE_IB_GID_INDEX", _exchange(store, prefix, rank, world_size,
+                                                                              self.timeout_s))
                 _ib.log_once(rank, chosen)
+                self.ib_paths = chosen
                 qos = _env.ib_qos()
                 paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
             signal = getattr(_C.Signal, _env.ib_signal())

@@ -113,14 +113,22 @@ def _check_ports(report: Report, sysfs: list[_ib.Port], mtus: dict) -> None:
                         "ROCENANTE_IB_GID_INDEX)")
 
 
-def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int):
-    """What rocenante would use here, for `world` ranks; None when it could not."""
+def _choice(report: Report, sysfs: list[_ib.Port], rank: int, world: int, store=None):
+    """What rocenante would use here, for `world` ranks (with the peers' ports and routes through `store`, under
+    torchrun, as a communicator would); None when it could not."""
+    from rocenante.communicator import _exchange
+
+    prefix = "rocenante/doctor"
     try:
         gid_index, source = _env.ib_gid_index()
-        paths = _ib.choose_paths(rank, world, sysfs, _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX")
+        exchange = _exchange(store, prefix, rank, world, 120.0) if store is not None else None
+        paths = _ib.choose_paths(rank, world, sysfs, _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX",
+                                 exchange)
         tc, sl = _env.ib_qos()
         signal = _env.ib_signal()
     except (ValueError, _C.RocenanteError) as err:
+        if store is not None:  # the peers stop waiting for this rank's ports
+            store.set(f"{prefix}/failed/{rank}", str(err))
         report.fatal = True
         report.say(f"rocenante could not use RDMA here: {err}")
         return None
@@ -187,13 +195,16 @@ def main() -> int:
     report.say("")
     report.say(f"choice for rank {rank} of {max(world, 2)} (ROCENANTE_IB_HCA/NCCL_IB_HCA, ROCENANTE_IB_GID_INDEX/"
                "NCCL_IB_GID_INDEX apply):")
-    paths = _choice(report, sysfs, rank, max(world, 2))
-    report.say("")
-    _gpu(report)
+    store = None
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+        store = dist.distributed_c10d._get_default_store()
+    paths = _choice(report, sysfs, rank, max(world, 2), store)
+    report.say("")
+    _gpu(report)
+    if world > 1:
         mine = {
             "ports": sorted(p.name for p in sysfs if p.state == "ACTIVE"),
             "mtus": sorted(set(mtus.values())),
@@ -205,11 +216,16 @@ def main() -> int:
                                                    "ROCENANTE_IB_SL", "NCCL_IB_SL", "ROCENANTE_NET",
                                                    "ROCENANTE_IB_SIGNAL")},
             "usable": paths is not None,
+            "choice": _ib.describe(rank, paths) if paths is not None else "",
         }
         summaries = [None] * world
         dist.all_gather_object(summaries, mine)
         dist.destroy_process_group()
         if rank == 0:
+            report.say("every rank's choice, per pair:")
+            for summary in summaries:
+                for line in summary["choice"].splitlines():
+                    report.say(f"  {line}")
             for text in _disagreements(summaries):
                 report.warn(text)
             unusable = [r for r, s in enumerate(summaries) if not s["usable"]]

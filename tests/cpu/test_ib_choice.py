@@ -12,10 +12,10 @@ V4 = "0000:0000:0000:0000:0000:ffff:0a00:00{:02x}"  # ::ffff:10.0.0.x
 LINK_LOCAL = "fe80:0000:0000:0000:d081:5eff:feca:8ef4"
 
 
-def fake_port(root, device, port, state="4: ACTIVE", link="Ethernet", gids=()):
+def fake_port(root, device, port, state="4: ACTIVE", link="Ethernet", gids=(), netdev=""):
     base = os.path.join(root, device, "ports", str(port))
-    os.makedirs(os.path.join(base, "gids"))
-    os.makedirs(os.path.join(base, "gid_attrs", "types"))
+    for d in ("gids", "gid_attrs/types", "gid_attrs/ndevs"):
+        os.makedirs(os.path.join(base, d))
     for name, text in (("state", state), ("link_layer", link)):
         with open(os.path.join(base, name), "w") as f:
             f.write(text + "\n")
@@ -25,6 +25,9 @@ def fake_port(root, device, port, state="4: ACTIVE", link="Ethernet", gids=()):
             f.write(gid + "\n")
         with open(os.path.join(base, "gid_attrs", "types", str(index)), "w") as f:
             f.write(kind + "\n")
+        if netdev and index < len(gids):
+            with open(os.path.join(base, "gid_attrs", "ndevs", str(index)), "w") as f:
+                f.write(netdev + "\n")
 
 
 def spark(root, second_state="4: ACTIVE"):
@@ -55,16 +58,20 @@ def test_default_picks_the_ipv4_roce_v2_gid_and_spreads_peers(tmp_path):
         if p != 1:
             other = _ib.choose_paths(p, 4, ports, None, None)[1]
             assert other.device == paths[p].device
-    assert "first RoCE v2 GID with an IPv4 address (10.0.0." in paths[0].why and "spread over 2 ports" in paths[0].why
+    assert "first RoCE v2 GID with an IPv4 address (10.0.0." in paths[0].why and "of 2 by (rank + peer) mod 2" in paths[0].why
     assert "RDMA to ranks 0, 2 over rocep1s0f0 port 1, GID 3" in _ib.describe(1, paths)
 
 
-def test_a_port_that_is_down_is_skipped_unless_listed(tmp_path):
+def test_a_port_that_is_down_is_skipped_with_a_warning_even_when_listed(tmp_path, capfd):
     ports = spark(str(tmp_path), second_state="1: DOWN")
     paths = _ib.choose_paths(0, 3, ports, None, None)
     assert {p.device for p in paths if p} == {"rocep1s0f0"}
-    with pytest.raises(_ib.RdmaSetupError, match=r"roceP2p1s0f0 port 1 \(for rank 1, listed by NCCL_IB_HCA\) is DOWN"):
-        _ib.choose_paths(0, 3, ports, _ib.parse_hca("rocep1s0f0,roceP2p1s0f0", "NCCL_IB_HCA"), None)
+    paths = _ib.choose_paths(0, 3, ports, _ib.parse_hca("rocep1s0f0,roceP2p1s0f0", "NCCL_IB_HCA"), None)
+    assert {p.device for p in paths if p} == {"rocep1s0f0"}
+    assert "rank 0: roceP2p1s0f0 port 1 (listed by NCCL_IB_HCA) is DOWN, not ACTIVE: not used" in capfd.readouterr().err
+    with pytest.raises(_ib.RdmaSetupError, match=r"no usable RDMA port for ranks 1, 2: every port listed by "
+                                                 r"NCCL_IB_HCA is down: roceP2p1s0f0 port 1 \(DOWN\)"):
+        _ib.choose_paths(0, 3, ports, _ib.parse_hca("roceP2p1s0f0", "NCCL_IB_HCA"), None)
 
 
 @pytest.mark.parametrize("raw, want", [
@@ -97,10 +104,134 @@ def test_bad_hca_lists_are_errors_naming_the_device(tmp_path, raw, words):
     assert words in str(err.value), str(err.value)
 
 
+# Hosts as cabled (tests/rdma/cluster.sh builds the same ones as emulated hosts): per host, its RDMA devices as
+# (device, netdev, address) and its routes as (iface, network, prefix). Every host also has a management port
+# (mgmt0, no RDMA) holding the default route, which RDMA must never take.
+def _host(links, extra_routes=()):
+    devices = [(f"rxe{i}", f"eth{i}", address) for i, (address, _) in enumerate(links)]
+    table = [_ib.Route(f"eth{i}", _ib._address(network), 24) for i, (_, network) in enumerate(links)]
+    table += [_ib.Route(iface, _ib._address(network), 24) for iface, network in extra_routes]
+    table += [_ib.Route("mgmt0", _ib._address("10.90.0.0"), 24), _ib.Route("mgmt0", 0, 0)]
+    return devices, table
+
+
+def _v4(address):
+    a, b, c, d = (int(x) for x in address.split("."))
+    return f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
+
+
+TOPOLOGIES = {
+    # One switch, one subnet; each host has two devices on it (two ports of one NIC).
+    "switch": [_host([(f"10.80.0.{10 * h + i + 1}", "10.80.0.0") for i in range(2)]) for h in range(3)],
+    # Two hosts, one cable: two PCIe functions, each link its own subnet.
+    "direct": [_host([(f"10.81.{i}.{h + 1}", f"10.81.{i}.0") for i in range(2)]) for h in range(2)],
+    # Three hosts, a cable between each pair: link {a, b} is subnet 10.82.(a + b).0.
+    "mesh3": [_host([(f"10.82.{h + o}.{h + 1}", f"10.82.{h + o}.0") for o in (q for q in range(3) if q != h)])
+              for h in range(3)],
+    # Four hosts in a ring, links h - (h + 1) % 4 on subnet 10.83.h.0: no diagonal.
+    "ring4": [_host([(f"10.83.{(h - 1) % 4}.{h + 1}", f"10.83.{(h - 1) % 4}.0"),
+                     (f"10.83.{h}.{h + 1}", f"10.83.{h}.0")]) for h in range(4)],
+}
+# ring4 with IP forwarding: the subnets a host is not on, through its first link's neighbour.
+TOPOLOGIES["ring4-forwarded"] = [
+    _host([(f"10.83.{(h - 1) % 4}.{h + 1}", f"10.83.{(h - 1) % 4}.0"), (f"10.83.{h}.{h + 1}", f"10.83.{h}.0")],
+          [("eth0", f"10.83.{(h + 1) % 4}.0"), ("eth0", f"10.83.{(h + 2) % 4}.0")]) for h in range(4)]
+
+
+def _choose_everywhere(tmp_path, hosts, hca=None):
+    """choose_paths on every host at once (ranks as threads), sharing through a fake store: each rank's result
+    (paths, or the error's text)."""
+    import threading
+
+    world = len(hosts)
+    published: dict = {}
+    barrier = threading.Barrier(world)
+    results: list = [None] * world
+
+    def rank_main(rank):
+        devices, table = hosts[rank]
+        root = str(tmp_path / f"host{rank}")
+        for device, netdev, address in devices:
+            fake_port(root, device, 1, gids=[(LINK_LOCAL, "RoCE v2"), (_v4(address), "RoCE v2")], netdev=netdev)
+
+        def exchange(round_, value):
+            published[(round_, rank)] = value
+            barrier.wait()
+            return [published[(round_, r)] for r in range(world)]
+
+        try:
+            results[rank] = _ib.choose_paths(rank, world, _ib.scan(root), hca, None, exchange=exchange, table=table)
+        except _ib.RdmaSetupError as err:
+            results[rank] = str(err)
+        except Exception as err:  # noqa: BLE001 - the test reports it
+            results[rank] = f"{type(err).__name__}: {err}"
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _devices(results):
+    return [[p.device if p else None for p in paths] for paths in results]
+
+
+@pytest.mark.parametrize("topology, want", [
+    ("switch", [[None, "rxe1", "rxe0"], ["rxe1", None, "rxe1"], ["rxe0", "rxe1", None]]),  # two rails, spread
+    ("direct", [[None, "rxe1"], ["rxe1", None]]),  # two rails; one taken at world 2 (striping: later)
+    ("mesh3", [[None, "rxe0", "rxe1"], ["rxe0", None, "rxe1"], ["rxe0", "rxe1", None]]),  # the cable to each peer
+    ("ring4-forwarded", [[None, "rxe1", "rxe0", "rxe0"], ["rxe0", None, "rxe1", "rxe0"],
+                         ["rxe0", "rxe0", None, "rxe1"], ["rxe1", "rxe0", "rxe0", None]]),
+])
+def test_each_peer_goes_by_the_route_that_reaches_it(tmp_path, topology, want):
+    results = _choose_everywhere(tmp_path, TOPOLOGIES[topology])
+    assert _devices(results) == want, results
+    for rank, paths in enumerate(results):
+        for p, path in enumerate(paths):
+            if path is not None:
+                assert "by the kernel's routes" in path.why and path.gid_index == 1, path.why
+
+
+def test_ring4_unrouted_fails_on_every_rank_naming_the_diagonals(tmp_path):
+    for rank, got in enumerate(_choose_everywhere(tmp_path, TOPOLOGIES["ring4"])):
+        assert isinstance(got, str) and got.startswith("no RDMA route between ranks 0 and 2; ranks 1 and 3 (the ports"), \
+            f"rank {rank}: {got}"
+        assert "rank 2: rxe0 port 1 (10.83.1.3), rxe1 port 1 (10.83.2.3)" in got, got
+
+
+def test_the_hca_list_limits_the_routes(tmp_path):
+    # direct, only the second function listed: both ends take it.
+    hca = _ib.parse_hca("rxe1", "ROCENANTE_IB_HCA")
+    assert _devices(_choose_everywhere(tmp_path, TOPOLOGIES["direct"], hca)) == [[None, "rxe1"], ["rxe1", None]]
+    # mesh3 with one device listed reaches one peer only.
+    got = _choose_everywhere(tmp_path / "mesh", TOPOLOGIES["mesh3"], hca)
+    assert all(isinstance(g, str) and g.startswith("no RDMA route between ranks 0 and 1") for g in got), got
+
+
+def test_a_route_through_a_port_without_rdma_is_not_taken():
+    table = [_ib.Route("eth0", _ib._address("10.83.0.0"), 24), _ib.Route("mgmt0", 0, 0),
+             _ib.Route("mgmt0", _ib._address("10.83.2.0"), 24)]
+    assert _ib.reaches("eth0", "10.83.0.7", table)
+    assert not _ib.reaches("eth0", "10.83.2.7", table)  # the kernel sends it out of mgmt0
+    assert not _ib.reaches("eth0", "10.99.0.1", table)  # only the management port's default route matches
+    assert _ib.reaches("mgmt0", "10.99.0.1", table)
+
+
+def test_proc_net_route_is_read(tmp_path):
+    text = ("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+            "mgmt0\t00000000\t01005A0A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n"
+            "eth1\t0000530A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+            "eth2\t0001530A\t00000000\t0000\t0\t0\t0\t00FFFFFF\t0\t0\t0\n")  # not up: ignored
+    (tmp_path / "route").write_text(text)
+    assert _ib.routes(str(tmp_path / "route")) == [_ib.Route("mgmt0", 0, 0), _ib.Route("eth1", _ib._address("10.83.0.0"), 24)]
+
+
 def test_gid_index_override_must_be_roce_v2(tmp_path):
     ports = spark(str(tmp_path))
     assert _ib.choose_paths(0, 2, ports, None, 1)[1].gid_index == 1  # link-local v2: allowed when asked
-    with pytest.raises(_ib.RdmaSetupError, match=r"NCCL_IB_GID_INDEX=2: GID 2 of roceP2p1s0f0 port 1 \(for rank 2\) is "
+    with pytest.raises(_ib.RdmaSetupError, match=r"NCCL_IB_GID_INDEX=2: GID 2 of roceP2p1s0f0 port 1 \(for ranks 1, 2\) is "
                                                  r"of type IB/RoCE v1, not RoCE v2"):
         _ib.choose_paths(0, 3, ports, None, 2, "NCCL_IB_GID_INDEX")
     with pytest.raises(_ib.RdmaSetupError, match="has no GID at that index"):

@@ -279,7 +279,7 @@ def test_two_devices_spread_peers_by_rank_plus_peer():
     gid_index, source = _env.ib_gid_index()
     paths = _ib.choose_paths(0, 3, ports, None, gid_index, source)
     assert [(p.device, p.port) for p in paths[1:]] == [(ports[1].device, ports[1].port), (ports[0].device, ports[0].port)]
-    assert "spread over 2 ports" in paths[1].why
+    assert "of 2 by (rank + peer) mod 2" in paths[1].why
 
 
 def _rdma_resources() -> dict:
