@@ -5,6 +5,7 @@ tests/gpu/test_gpu_bench.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -187,3 +188,23 @@ def test_cpu_run_end_to_end(tmp_path):
     assert method["calls_per_measurement"] == {"up_to_1MiB": 50, "above_1MiB": 20}
     assert "float64 sum" in method["check"] and "graph" not in method  # CPU: no NCCL, no graphs
     assert "# all_reduce sum, float32, eager mode, 2 ranks" in proc.stdout
+    assert [r["net"] for r in result["provenance"]["ranks"]] == ["shm", "shm"]
+
+
+def test_under_torchrun_one_rank_per_process_and_several_per_node_across_hosts_refused(tmp_path):
+    out = tmp_path / "torchrun.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "rocenante.bench",
+           "--device", "cpu", "--min-bytes", "1K", "--max-bytes", "1K", "--rounds", "7", "--arms", "rocenante,gloo",
+           "--out", str(out), "--no-png"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and "under torchrun" in proc.stdout
+    assert sorted(r["arm"] for r in result["rows"]) == ["gloo", "rocenante"]
+    assert [r["net"] for r in result["provenance"]["ranks"]] == ["shm", "shm"]
+    # Two nodes of two processes each: refused before anything is built (rank 0 of node 0, as torchrun sets it).
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    proc = subprocess.run([sys.executable, "-m", "rocenante.bench", "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, **env})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "launch one process per node (--nproc-per-node 1)" in proc.stderr, proc.stderr

@@ -1,6 +1,7 @@
 """python -m rocenante.bench [--device cpu|cuda] [-n RANKS] ...: checks every arm's output, times the arms side by
 side, interleaved and in rotated order, prints nccl-tests-style tables and writes JSON (and a PNG when matplotlib
-is there). The method is described in runner.py and benchmarks/README.md ("Method")."""
+is there). The method is described in runner.py and benchmarks/README.md ("Method"). Across hosts, one process per
+node: torchrun --nnodes N --nproc-per-node 1 ... -m rocenante.bench (rank 0 reports)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def parse_args(argv=None):
                         "fitted to rocenante's one-shot times (graph mode if measured, first dtype)")
     a = p.parse_args(argv)
     gpu = a.device == "cuda"
+    if "LOCAL_WORLD_SIZE" in os.environ:  # torchrun's ranks, one GPU each (_under_torchrun)
+        a.ranks = int(os.environ["WORLD_SIZE"])
     a.ranks = a.ranks or (torch.cuda.device_count() if gpu else 2)
     a.min_bytes = a.min_bytes or (256 if gpu else 1024)
     a.max_bytes = a.max_bytes or ((64 << 20) if gpu else (1 << 20))
@@ -54,7 +57,7 @@ def parse_args(argv=None):
     a.modes = (a.modes or ("graph,eager" if gpu else "eager")).split(",")
     if not gpu and "graph" in a.modes:
         p.error("graph mode needs --device cuda")
-    if gpu and a.ranks > torch.cuda.device_count():
+    if gpu and a.ranks > torch.cuda.device_count() and "LOCAL_WORLD_SIZE" not in os.environ:
         p.error(f"{a.ranks} ranks need {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
     if a.ranks < 2:
         p.error("an all-reduce benchmark needs at least 2 ranks")
@@ -93,7 +96,6 @@ def main(argv=None) -> int:
 
     import rocenante
     from rocenante import _C
-    from rocenante.bench import provenance, report
 
     a = parse_args(argv)
     sizes, b = [], a.min_bytes
@@ -105,8 +107,10 @@ def main(argv=None) -> int:
         "arms": a.arms, "max_bytes": a.max_bytes,
         "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
     }
-    print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
     load_before = os.getloadavg()
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return _under_torchrun(a, cfg, load_before)
+    print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,18 +148,52 @@ def main(argv=None) -> int:
         for r, v in sorted(failed.items()):
             print(f"rank {r} failed:\n{v['error']}", file=sys.stderr)
         return 1
-    out = results[0]
+    return _report(a, cfg, results[0], a.ranks, load_before)
+
+
+def _under_torchrun(a, cfg: dict, load_before: tuple) -> int:
+    """One rank of a benchmark that torchrun launched (across hosts: one process per node), on the launcher's
+    rendezvous; rank 0 reports. A communicator mixing peers of this host with peers elsewhere is refused (several
+    GPUs per host across hosts is not served yet), so neither is such a launch."""
+    import torch.distributed as dist
+
+    import rocenante
+    from rocenante.bench import runner
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if 1 < local_world < world:
+        print(f"rank {rank}: torchrun started {local_world} processes on this node and {world} in all: rocenante "
+              "does not mix peers of one host with peers on other hosts in one communicator yet; launch one process "
+              "per node (--nproc-per-node 1), or run every rank on one host (python -m rocenante.bench -n N)",
+              file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {world} ranks on {a.device} under torchrun",
+              flush=True)
+    store, _, _ = next(dist.rendezvous("env://"))
+    published = {}
+    runner.worker(store, rank, world, cfg, published.update, local_rank)
+    return _report(a, cfg, published, world, load_before) if rank == 0 else 0
+
+
+def _report(a, cfg: dict, out: dict, world: int, load_before: tuple) -> int:
+    """Prints rank 0's tables and writes the JSON (and PNG)."""
+    from rocenante.bench import provenance, report, runner
+
+    prov = provenance.collect(a.device, runner.method(cfg, out["method"]), load_before)
+    prov["ranks"] = out["ranks"]  # each rank's host, path and devices
     result = {
         "schema": report.SCHEMA,
-        "provenance": provenance.collect(a.device, runner.method(cfg, out["method"]), load_before),
-        "world_size": a.ranks,
+        "provenance": prov,
+        "world_size": world,
         "config": cfg,
         "rows": out["rows"],
         "skipped": out["skipped"],
     }
     print()
     print(report.format_tables(result))
-    path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{a.ranks}r.json")
+    path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{world}r.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     report.write_json(result, path)
     if a.calibration:

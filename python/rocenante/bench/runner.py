@@ -343,14 +343,19 @@ def _live_cuda_graphs() -> int:
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.cuda.CUDAGraph))
 
 
-def worker(store, rank, world, cfg, publish) -> None:
-    """Measures every arm; calls publish(result) once the measurements are done (rank 0's holds the rows)."""
+def worker(store, rank, world, cfg, publish, local_rank=None) -> None:
+    """Measures every arm; calls publish(result) once the measurements are done (rank 0's holds the rows and where
+    every rank ran). `local_rank`: the GPU index (default: the rank; under torchrun, LOCAL_RANK)."""
+    import socket
+
     import rocenante
+    from rocenante import _ib
 
     cuda = cfg["device"] == "cuda"
+    index = rank if local_rank is None else local_rank
     if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        torch.cuda.set_device(index)
+    device = torch.device("cuda", index) if cuda else torch.device("cpu")
     dist.init_process_group("gloo", store=dist.PrefixStore("ctl", store), rank=rank, world_size=world)
     control = dist.group.WORLD
     comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"])
@@ -384,10 +389,13 @@ def worker(store, rank, world, cfg, publish) -> None:
     arms = [a for a in arms if not cfg["arms"] or a.name in cfg["arms"]]
 
     rows = _measure(ctx, arms, reference, cfg, sleep_cycles, control, skipped)
+    where = [None] * world  # each rank's host and, over RDMA, the devices that reach its peers
+    dist.all_gather_object(where, {"host": socket.gethostname(), "net": comm.net,
+                                   "paths": _ib.describe(rank, comm.ib_paths).splitlines()}, group=control)
     gc.collect()
     if cuda and _live_cuda_graphs():  # would make destroy_process_group below wait forever (Measurement.close)
         raise RuntimeError(f"rank {rank}: {_live_cuda_graphs()} CUDA graph(s) still alive before teardown")
-    publish({"rows": rows, "skipped": skipped, "method": method} if rank == 0 else {})  # before teardown
+    publish({"rows": rows, "skipped": skipped, "method": method, "ranks": where} if rank == 0 else {})  # before teardown
     del arms, reference
     if cuda:
         torch.cuda.synchronize()
