@@ -142,7 +142,6 @@ def reaches(iface: str, address: str, table: list[Route]) -> bool:
     return bool(here) and max(here) == max(best)
 
 
-
 @dataclass
 class HcaSpec:
     """NCCL_IB_HCA's syntax: "mlx5_0:1,mlx5_1" lists devices (optionally ":port"); names match as prefixes
