@@ -1,5 +1,6 @@
 """An independent peer written with pyverbs (rdma-core's own binding) joins a 2-rank communicator as rank 1:
-it publishes a handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
+it publishes its ports through rocenante's own exchange (communicator._exchange: the route choice is _ib's), a
+handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
 them, and reads what rank 0 wrote into its own region once rank 0's signal arrived. The signal, as
 ROCENANTE_IB_SIGNAL says: "flag" (default), a 4-byte RDMA WRITE of the call's number into the receiver's
 flag word for this buffer and sender, after the data on the same queue pair, which the receiver polls in its
@@ -26,6 +27,7 @@ import torch
 import rocenante
 from multiproc import expect_ok, run_ranks
 from rocenante import _C, _env, _ib
+from rocenante.communicator import _exchange
 
 WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
 HEADER, FLAGS, CALL_WORDS, LINE, BUFFERS, MAX_RANKS = 1024, 128, 256, 128, 3, 8
@@ -77,8 +79,12 @@ def _pyverbs_rank(store, mtu_drop, signal):
     from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
     from pyverbs.wr import RecvWR, SGE, SendWR
 
+    prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
+    store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
+    # The ports and routes, exchanged through the store as a rank does (communicator._exchange).
     gid_index, source = _env.ib_gid_index()
-    path = _ib.choose_paths(1, WORLD, _ib.scan(), _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX")[0]
+    path = _ib.choose_paths(1, WORLD, _ib.scan(), _env.ib_hca(), gid_index, source or "ROCENANTE_IB_GID_INDEX",
+                            _exchange(store, prefix, 1, WORLD, 120.0))[0]
     ctx = Context(name=path.device)
     pd = PD(ctx)
     scq, rcq = CQ(ctx, 8), CQ(ctx, 8)
@@ -91,8 +97,6 @@ def _pyverbs_rank(store, mtu_drop, signal):
     mtu_code = port.active_mtu - mtu_drop  # a crafted value: a port with a smaller MTU than ours
     psn = 0x123456
 
-    prefix = f"rocenante/{NAME}/{WORLD}/{(store.add(f'rocenante/{NAME}/{WORLD}/tickets', 1) - 1) // WORLD}"
-    store.set(f"{prefix}/host/1", f"{socket.gethostname()}|ib|pyverbs")
     # world, capacity, CPU, first call, signal (0 flag, 1 completion), two-shot size (never: the network path)
     config = struct.pack("<IIQiIII", _C.layout.config_magic, WORLD, CAPACITY, 0, 1, ("flag", "completion").index(signal),
                          _C.layout.never)
