@@ -107,10 +107,7 @@ ROCENANTE_HD size_t call_span_bytes(const CallArgs& a) {
 // Returns the fault to record, or 0 to keep waiting.
 template <class Load>
 ROCENANTE_HD uint64_t abort_seen(const CallArgs& a, uint32_t epoch, uint32_t pending, Load load) {
-  const auto whole = [&](int source) {
-    const uint64_t w = load(abort_word(a.local, source));
-    return w != 0 && abort_whole(w, load(abort_check(a.local, source))) ? w : 0;
-  };
+  const auto whole = [&](int source) { return whole_abort_word(a.local, source, load); };
   uint64_t closed = 0;
   for (int p = 0; p < kMaxRanks && p < a.world; ++p) {
     if (p == a.rank) continue;

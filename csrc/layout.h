@@ -355,6 +355,13 @@ ROCENANTE_HD uint64_t* abort_word(uint32_t* region, int source) { return reinter
 ROCENANTE_HD uint64_t* abort_check(uint32_t* region, int source) { return abort_word(region, source) + 1; }
 // Whether an abort slot read as (word, check) holds a word, whole (Abort words, above).
 ROCENANTE_HD bool abort_whole(uint64_t word, uint64_t check) { return word != 0 && word == ~check; }
+// The word in abort slot `source` of `region`, read with `load` (the host's and the kernel's atomic loads differ),
+// once whole; else 0.
+template <class Load>
+ROCENANTE_HD uint64_t whole_abort_word(uint32_t* region, int source, Load load) {
+  const uint64_t w = load(abort_word(region, source));
+  return w != 0 && abort_whole(w, load(abort_check(region, source))) ? w : 0;
+}
 ROCENANTE_HD size_t call_word_offset(int buffer, int source) {
   return kCallWordsOffset + size_t(buffer) * kLineBytes + size_t(source) * sizeof(uint32_t);
 }

@@ -230,8 +230,7 @@ class Proxy final : public Transport {
 
   // The word in peer p's abort slot of our region, once whole (layout.h, Abort words); else 0.
   uint64_t word_of(int p) const {
-    const uint64_t w = __atomic_load_n(abort_word(host_region_, p), __ATOMIC_ACQUIRE);
-    return abort_whole(w, __atomic_load_n(abort_check(host_region_, p), __ATOMIC_ACQUIRE)) ? w : 0;
+    return whole_abort_word(host_region_, p, [](uint64_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); });
   }
 
   // Whether `fault` is a connection that closed: no failure by itself (run()).
