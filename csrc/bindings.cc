@@ -62,6 +62,25 @@ PYBIND11_MODULE(_C, m) {
         "tests only: stop (SIGSTOP) or end (SIGKILL) this process right after its push-th CPU call's push");
   m.def("_test_skip_goodbyes", &rocenante::Communicator::skip_goodbyes, py::arg("skip"),
         "tests only: close() sends no goodbye from now on, as a host that vanished");
+  m.def(
+      "_test_fault_record_race",
+      [](int device) {
+        using rocenante::Fault;
+        const uint32_t epoch = 7;
+        const uint64_t first = rocenante::encode_fault(Fault::kPeerTimeout, 0b10, 0);
+        const uint64_t second = rocenante::encode_fault(Fault::kCallMismatch, 1, 0x1234);
+        std::vector<rocenante::FaultRecord> records;
+        {
+          py::gil_scoped_release unlocked;
+          records = rocenante::test_fault_record_race(device, first, second, epoch);
+        }
+        std::vector<std::pair<uint64_t, uint32_t>> reads;
+        for (const auto& r : records) reads.emplace_back(r.word, r.epoch);
+        return py::make_tuple(py::make_tuple(py::make_tuple(first, epoch), py::make_tuple(second, epoch + 1)), reads);
+      },
+      py::arg("device"),
+      "tests only: two threads of a launch record two calls' faults at once, each holding the record half written "
+      "for milliseconds, while the host reads it: ((first, epoch), (second, epoch + 1)) and every record read");
 
 #ifdef ROCENANTE_WITH_CUDA
   m.attr("with_cuda") = true;
@@ -149,6 +168,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dtype"), py::arg("eps"), py::arg("weight_bias"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>())
       .def("refuse", &Communicator::refuse, py::arg("why"), py::call_guard<py::gil_scoped_release>())
+      .def("_test_post_aborts_at_once", &Communicator::test_post_aborts_at_once, py::arg("hold_s"),
+           py::call_guard<py::gil_scoped_release>())
       .def("check", &Communicator::check)  // reads a few words (waits only for a close() under way)
       .def("faulted_by", &Communicator::faulted_by, py::arg("call"))
       .def_property_readonly("captured", &Communicator::captured)

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -617,6 +618,20 @@ uint64_t Communicator::current_fault() {
 void Communicator::tell_peers(uint64_t fault, uint32_t epoch) {
   for (int p = 0; p < world_; ++p)
     if (p != rank_) transport_->post_abort(p, abort_from(fault, epoch));
+}
+
+void Communicator::test_post_aborts_at_once(double hold_s) {
+  std::shared_lock<std::shared_mutex> alive(lifetime_);
+  if (transport_ == nullptr) return;
+  hold_abort_staging(hold_s);
+  std::vector<std::thread> posts;
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    posts.emplace_back([this, p] { transport_->post_abort(p, encode_fault(Fault::kTransport, p, next_epoch(issued_))); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (std::thread& t : posts) t.join();
+  hold_abort_staging(0);
 }
 
 void Communicator::report(const std::string& what) {

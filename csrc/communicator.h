@@ -132,6 +132,10 @@ class Communicator : public Watched {
   static void set_interrupt_check(InterruptCheck check) { interrupt_check_ = check; }
   // Tests only: close() without a goodbye, as a host that vanished (its peers see a wire failure, or time out).
   static void skip_goodbyes(bool skip) { skip_goodbyes_ = skip; }
+  // Tests only: posts to each peer p an abort word of its own ("its network path to rank p failed"), each from a
+  // thread of its own, the threads started 20 ms apart, with every post holding its staging write for `hold_s`
+  // (hold_abort_staging(), CUDA IPC): a user thread and the watchdog posting at once. Returns when all are posted.
+  void test_post_aborts_at_once(double hold_s);
 
  private:
   void validate_shared(DType dtype, ReduceOp op) const;

@@ -13,4 +13,10 @@ std::unique_ptr<Transport> make_cuda_ipc_transport(int, int, const RegionLayout&
   ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
 }
 
+std::vector<FaultRecord> test_fault_record_race(int, uint64_t, uint64_t, uint32_t) {
+  ROCENANTE_THROW(InvalidArgument, "rocenante was built without CUDA: only CPU tensors are supported");
+}
+
+void hold_abort_staging(double) {}
+
 }  // namespace rocenante

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "../call_args.h"
 #include "../fault.h"
@@ -72,5 +73,10 @@ class CollectiveKernel {
 
 // Its first launch is call `first_epoch`.
 std::unique_ptr<CollectiveKernel> make_collective_kernel(int device, int world, uint32_t first_epoch);
+
+// Tests only: two threads of one launch record `first` at `epoch` and `second` at epoch + 1 at once, each holding
+// the record half written for milliseconds (record_race_kernel), while this thread reads it as fault() does.
+// Returns each record read that differs from the one before (word 0: none), then the one left at the end.
+std::vector<FaultRecord> test_fault_record_race(int device, uint64_t first, uint64_t second, uint32_t epoch);
 
 }  // namespace rocenante

@@ -56,7 +56,9 @@ __device__ __forceinline__ void note(const CallArgs& a, uint32_t epoch, Timeline
 // communicator, writes our abort word into every peer's region. The record is written under the record lock, its
 // sequence odd meanwhile (FaultRecord, fault.h): threads of one launch may record at once, for two calls of it.
 // A rare path: a spinning thread lets the holder's warp go on (independent thread scheduling, sm_70 and up).
-__device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch) {
+// `test_hold_ns`: tests only (record_race_kernel), how long the record stays half written.
+__device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t fault, uint32_t epoch,
+                             uint64_t test_hold_ns = 0) {
   const bool timeout = fault_kind(fault) == Fault::kPeerTimeout;
   const uint32_t missing = timeout ? fault_detail(fault) : 0;
   while (atomicCAS(s.record_lock, 0u, 1u) != 0u) {
@@ -69,6 +71,9 @@ __device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t f
     store_release_sys(&s.record->sequence, sequence + 1);
     __threadfence_system();  // odd, before the fields change
     store_release_sys(&s.record->epoch, epoch);
+    if (test_hold_ns != 0)
+      for (const uint64_t until = global_timer_ns() + test_hold_ns; global_timer_ns() < until;) {
+      }
     store_release_sys(&s.record->word, fault);
     store_release_sys(&s.record->sequence, sequence + 2);
   }
@@ -584,6 +589,18 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
   end_launch(a, s, last, first);
 }
 
+// Tests only (test_fault_record_race(), launch.cc), one thread per CTA: CTA 0 records `first` at `epoch` and holds
+// the record half written for 20 ms; 1 ms in, CTA 1 records `second` at epoch + 1 and holds it for 5 ms, as two
+// threads of a two-shot launch (its reduce and its gather) may.
+__global__ void record_race_kernel(const DeviceState s, uint64_t first, uint64_t second, uint32_t epoch) {
+  CallArgs a{};
+  a.world = 1;  // no peer to tell
+  if (blockIdx.x == 0) return record_fault(a, s, first, epoch, 20'000'000);
+  for (const uint64_t until = global_timer_ns() + 1'000'000; global_timer_ns() < until;) {
+  }
+  record_fault(a, s, second, epoch + 1, 5'000'000);
+}
+
 // Calls f.template operator()<W>() with the kernel's world bound for `world` (see the kernel).
 template <typename F>
 void dispatch_world(int world, F&& f) {
@@ -623,5 +640,7 @@ const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
   });
   return kernel;
 }
+
+const void* record_race_kernel_entry() { return reinterpret_cast<const void*>(record_race_kernel); }
 
 }  // namespace rocenante

@@ -58,5 +58,8 @@ inline Variant variant_of(const CallArgs& a) {
 // The kernel that serves calls of `variant`, `dtype` and `op` at `world`, as cudaLaunchKernelExC and the occupancy
 // queries take it; nullptr where there is none (int32 avg; a fused call that is not a sum of a float dtype).
 const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant);
+// Tests only: two CTAs of one thread recording two faults at once (collective_kernels.cu, record_race_kernel),
+// launched with (DeviceState, uint64_t first, uint64_t second, uint32_t epoch).
+const void* record_race_kernel_entry();
 
 }  // namespace rocenante

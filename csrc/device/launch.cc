@@ -200,19 +200,42 @@ class CudaCollectiveKernel final : public CollectiveKernel {
 #endif
 
   // A word and an epoch of one writer (FaultRecord): read between two equal, even reads of the sequence. A
-  // writer holds it odd for a few stores; should a launch die midway (a sticky CUDA error, the context lost), the
-  // last read is taken after kRecordReads.
+  // writer holds it odd for a few stores, longer while its context is off the GPU (ranks sharing a device take
+  // turns of milliseconds): after kRecordReads reads without one, no fault yet (word 0), and a later read takes
+  // it (every caller polls again: the waits, the watchdog, the next call). A launch that died midway is
+  // reported by CUDA's error at the next launch (kLaunchFailed), not by this record.
   FaultRecord fault() const override {
-    FaultRecord r{};
     for (int read = 0; read < kRecordReads; ++read) {
       const uint32_t sequence = __atomic_load_n(&host_->sequence, __ATOMIC_ACQUIRE);
+      FaultRecord r{};
       r.word = __atomic_load_n(&host_->word, __ATOMIC_ACQUIRE);
       r.epoch = __atomic_load_n(&host_->epoch, __ATOMIC_ACQUIRE);
       std::atomic_thread_fence(std::memory_order_acquire);
-      if (sequence % 2 == 0 && __atomic_load_n(&host_->sequence, __ATOMIC_RELAXED) == sequence) break;
+      if (sequence % 2 == 0 && __atomic_load_n(&host_->sequence, __ATOMIC_RELAXED) == sequence)
+        return r.word == 0 ? FaultRecord{} : r;
     }
-    if (r.word == 0) r.epoch = 0;
-    return r;
+    return FaultRecord{};
+  }
+
+  // Tests only (test_fault_record_race()).
+  std::vector<FaultRecord> record_race(uint64_t first, uint64_t second, uint32_t epoch) {
+    DeviceGuard guard(device_);
+    cudaStream_t stream = nullptr;
+    ROCENANTE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DeviceState state = state_;
+    void* parameters[] = {&state, &first, &second, &epoch};
+    std::vector<FaultRecord> reads;
+    cudaError_t status = cudaLaunchKernel(record_race_kernel_entry(), dim3(2), dim3(1), parameters, 0, stream);
+    for (bool ended = status != cudaSuccess; !ended;) {
+      status = cudaStreamQuery(stream);
+      ended = status != cudaErrorNotReady;
+      const FaultRecord r = fault();
+      if (reads.empty() || r.word != reads.back().word || r.epoch != reads.back().epoch) reads.push_back(r);
+    }
+    cudaStreamDestroy(stream);
+    ROCENANTE_CHECK_CUDA(status);
+    reads.push_back(fault());
+    return reads;
   }
 
  private:
@@ -275,6 +298,10 @@ class CudaCollectiveKernel final : public CollectiveKernel {
 };
 
 }  // namespace
+
+std::vector<FaultRecord> test_fault_record_race(int device, uint64_t first, uint64_t second, uint32_t epoch) {
+  return CudaCollectiveKernel(device, 2, epoch).record_race(first, second, epoch);
+}
 
 std::unique_ptr<CollectiveKernel> make_collective_kernel(int device, int world, uint32_t first_epoch) {
   return std::make_unique<CudaCollectiveKernel>(device, world, first_epoch);

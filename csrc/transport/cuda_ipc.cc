@@ -4,8 +4,11 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "../cuda_check.h"
@@ -13,6 +16,8 @@
 
 namespace rocenante {
 namespace {
+
+std::atomic<double> abort_staging_hold_s{0.0};  // hold_abort_staging(): tests only
 
 // Writes initial_word() over a fresh region (layout.h), from a host buffer a piece at a time.
 void fill_initial(uint32_t* region, size_t bytes) {
@@ -120,6 +125,7 @@ class CudaIpcTransport final : public Transport {
     cudaSetDevice(device_);
     abort_staging_[0] = word;
     abort_staging_[1] = ~word;
+    if (const double hold = abort_staging_hold_s.load()) std::this_thread::sleep_for(std::chrono::duration<double>(hold));
     // Two copies of one word each, so that each lands whole (layout.h, Abort words).
     if (cudaMemcpyAsync(abort_word(regions_[peer], rank_), &abort_staging_[0], sizeof(word), cudaMemcpyHostToDevice,
                         abort_stream_) == cudaSuccess &&
@@ -153,6 +159,8 @@ class CudaIpcTransport final : public Transport {
 };
 
 }  // namespace
+
+void hold_abort_staging(double seconds) { abort_staging_hold_s = seconds; }
 
 std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const RegionLayout& layout) {
   return std::make_unique<CudaIpcTransport>(rank, device, layout);

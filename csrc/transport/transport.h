@@ -158,6 +158,9 @@ struct IbPath {
 std::unique_ptr<Transport> make_shm_transport(int rank, const RegionLayout& layout);
 // Same host, GPU memory: one cudaMalloc region per rank, mapped by peers through CUDA IPC.
 std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const RegionLayout& layout);
+// Tests only: the CUDA IPC transport's post_abort() holds its staging slot, written, for `seconds` before its copies
+// are queued, so that posts from two threads overlap (Communicator::test_post_aborts_at_once()).
+void hold_abort_staging(double seconds);
 // Other hosts (or ROCENANTE_NET=ib): one RC queue pair per peer over RoCE v2, paths[p] for peer p (paths[rank]
 // unused); the region and image are host memory. Throws InvalidArgument when rocenante was built without
 // rdma-core's headers, Error when libibverbs.so.1 cannot be loaded or a device, port or GID is unusable.

@@ -1,6 +1,7 @@
 """Never a silent wrong answer, 2 ranks on this machine's GPUs: calls on two streams and two threads, forked
 streams inside one graph capture, a peer killed or stopped during CUDA-graph replays (directly and over the TCP
-software wire: `net`), a call one rank refuses alone, and the backend's Work."""
+software wire: `net`), a call one rank refuses alone, the backend's Work, and two races of the fault path made
+deterministic by test hooks (abort words posted from two threads at once, two threads recording faults at once)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import gpus
-from multiproc import end_this_process_later, expect_ok, record_figure, run_ranks
+from multiproc import all_arrived, end_this_process_later, expect_ok, record_figure, run_ranks
 from nets import cases, on_path
 from reference import make_input, sequential_fp32
 
@@ -402,3 +403,50 @@ def test_work_objects_behave_as_nccl_ones():
     assert pending, "is_completed() was True while the kernel waited for rank 1"
     assert waited < 0.5, f"Work.wait() blocked the host for {waited:.2f} s"
     assert "rank 1's process ended" in message, message
+
+
+def _aborts_posted_at_once(store, rank, world):
+    """Rank 0 posts each peer an abort word of its own from a thread per peer at once, over CUDA IPC, each post
+    holding the one staging slot written for 0.2 s (the window of a user thread's and the watchdog's posts);
+    each peer's call, made once rank 0 has posted and waiting for it, must name the cause rank 0 sent it (a peer
+    reads rank 0's slot before the other peer's, which relays its own cause)."""
+    import rocenante
+
+    comm = _comm(store, rank, world, timeout_s=30.0)
+    all_arrived(store, world, "start")
+    if rank == 0:
+        comm._c._test_post_aborts_at_once(0.2)
+        store.set("posted", "1")
+        store.wait([f"done/{p}" for p in range(1, world)])
+        comm.close()
+        return None
+    store.wait(["posted"])
+    try:
+        comm.all_reduce(make_input(0, 0, rank, 4096, torch.float32, gpus.device_of(rank)))
+        comm.synchronize()
+        outcome = "no error"
+    except rocenante.RocenanteError as err:
+        outcome = str(err)
+    store.set(f"done/{rank}", "1")
+    comm.close()
+    return outcome
+
+
+@pytest.mark.parametrize("world", [3])
+def test_aborts_posted_at_once_reach_each_peer_whole(world):
+    results = expect_ok(run_ranks(world, _aborts_posted_at_once, timeout=180))
+    for p in range(1, world):
+        assert f"rank 0 aborted the communicator: its network path to rank {p} failed" in results[p], (p, results[p])
+
+
+def test_two_threads_recording_faults_at_once_leave_one_record():
+    """Two threads of one launch record faults of its two calls at once (a two-shot's reduce at call e, its gather
+    at e + 1), each holding the record half written for milliseconds, while the host reads it: the host must only
+    ever read one thread's word with that thread's epoch, and the record left must be the later non-timeout."""
+    import rocenante
+
+    gpus.use(0)
+    written, reads = rocenante._C._test_fault_record_race(0)
+    torn = [r for r in reads if r != (0, 0) and r not in written]
+    assert not torn, f"records read that no thread wrote: {torn} (written: {written})"
+    assert reads[-1] == written[1], f"left {reads[-1]}, want the mismatch {written[1]} (written: {written})"
