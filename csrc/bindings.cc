@@ -124,6 +124,7 @@ PYBIND11_MODULE(_C, m) {
   layout.attr("never") = Communicator::kNever;
   layout.def("chunk_line", &rocenante::chunk_line, py::arg("chunk"), py::arg("half"));
   layout.attr("buffers") = rocenante::kBuffers;
+  layout.attr("max_rails") = rocenante::kMaxRails;
   layout.attr("epoch_period") = rocenante::kEpochPeriod;
   // The handles' formats (communicator.h, transport.h), for tests that forge or tamper with one.
   layout.attr("config_magic") = rocenante::kConfigMagic;
@@ -136,16 +137,20 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Communicator>(m, "Communicator")
       .def(py::init([](int rank, int world, int device, size_t capacity_bytes, double timeout_s,
                        rocenante::OnFault on_fault, rocenante::Net net,
-                       const std::vector<std::tuple<std::string, int, int, int, int>>& rdma_paths, uint32_t first_call,
-                       double proxy_spin_s, rocenante::Signal signal, uint32_t twoshot_from) {
-             std::vector<rocenante::IbPath> paths;
-             for (const auto& [dev, port, gid, tc, sl] : rdma_paths) paths.push_back({dev, port, gid, tc, sl});
+                       const std::vector<std::vector<std::tuple<std::string, int, int, int, int>>>& rdma_paths,
+                       uint32_t first_call, double proxy_spin_s, rocenante::Signal signal, uint32_t twoshot_from) {
+             std::vector<std::vector<rocenante::IbPath>> paths;
+             for (const auto& rails : rdma_paths) {
+               paths.emplace_back();
+               for (const auto& [dev, port, gid, tc, sl] : rails) paths.back().push_back({dev, port, gid, tc, sl});
+             }
              return new Communicator(rank, world, device, capacity_bytes, timeout_s, on_fault, net, paths, first_call,
                                      proxy_spin_s, signal, twoshot_from);
            }),
            py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("capacity_bytes"), py::arg("timeout_s"),
            py::arg("on_fault"), py::arg("net") = rocenante::Net::kShm,
-           py::arg("rdma_paths") = std::vector<std::tuple<std::string, int, int, int, int>>{}, py::arg("first_call") = 1,
+           py::arg("rdma_paths") = std::vector<std::vector<std::tuple<std::string, int, int, int, int>>>{},
+           py::arg("first_call") = 1,
            py::arg("proxy_spin_s") = rocenante::kDefaultProxySpinS, py::arg("signal") = rocenante::Signal::kFlag,
            py::arg("twoshot_from") = Communicator::kNever)
       .def("local_handle", [](const Communicator& c) { return py::bytes(c.local_handle()); })

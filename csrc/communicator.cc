@@ -159,7 +159,11 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kRefused: return "rank " + peer + " refused a call for a reason only it could see";
     case Fault::kLaunchFailed: return "rank " + peer + " could not launch a call";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
-    case Fault::kTransport: return "its network path to rank " + peer + " failed";
+    case Fault::kTransport: {
+      const int who = transport_cause_rank(detail);
+      return (who < 0 ? std::string("its") : "rank " + std::to_string(who) + "'s") + " network path to rank " +
+             std::to_string(transport_cause_peer(detail)) + " failed";
+    }
     case Fault::kPeerClosed: return "rank " + peer + " had closed its communicator";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
     case Fault::kPeersExited:  // never recorded (abort_seen), as kGoodbye
@@ -220,7 +224,7 @@ void Communicator::refuse_in_forked_child() const {
 }
 
 Communicator::Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-                           Net net, const std::vector<IbPath>& rdma_paths, uint32_t first_epoch, double proxy_spin_s,
+                           Net net, const std::vector<std::vector<IbPath>>& rdma_paths, uint32_t first_epoch, double proxy_spin_s,
                            Signal signal, uint32_t twoshot_from)
     : rank_(rank), world_(world), device_(device), timeout_s_(std::min(timeout_s, kMaxTimeoutS)), on_fault_(on_fault),
       layout_{capacity_bytes, world}, first_epoch_(first_epoch), signal_(net == Net::kShm ? Signal::kFlag : signal),
@@ -617,7 +621,7 @@ uint64_t Communicator::current_fault() {
 
 void Communicator::tell_peers(uint64_t fault, uint32_t epoch) {
   for (int p = 0; p < world_; ++p)
-    if (p != rank_) transport_->post_abort(p, abort_from(fault, epoch));
+    if (p != rank_) transport_->post_abort(p, abort_from(fault, epoch, rank_));
 }
 
 void Communicator::test_post_aborts_at_once(double hold_s) {

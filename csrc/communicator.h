@@ -35,7 +35,7 @@ enum class Net : uint32_t { kShm = 0, kIb = 1, kTcp = 2 };
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
 // CPU or GPU, first call, network signal, two-shot size), the process's identity (pid, start time), then the
 // transport's part (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4338;  // "ROC8": bump when the protocol or the handle changes
+constexpr uint32_t kConfigMagic = 0x524f4339;  // "ROC9": bump when the protocol or the handle changes
 constexpr size_t kConfigBytes = 32;
 constexpr size_t kHandleHeaderBytes = 48;
 
@@ -48,12 +48,12 @@ class Communicator : public Watched {
   static constexpr uint32_t kNever = 0xFFFFFFFFu;
 
   // device < 0: CPU memory; otherwise the CUDA device ordinal. net: how every peer is reached; Net::kIb takes
-  // one path per rank in rdma_paths (its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
+  // each rank's rails in rdma_paths (make_ibverbs_wire(); its own entry unused). timeout_s > 0, clamped to kMaxTimeoutS.
   // first_epoch: the number of the first call, the same on every rank (1; tests of the wrap start near it).
   // signal: how a network peer's delivery tells the reducer it is whole (transport.h); unused without one.
   // twoshot_from: all-reduces of at least this many bytes go two-shot (kNever: none); every rank alike (Config).
   Communicator(int rank, int world, int device, size_t capacity_bytes, double timeout_s, OnFault on_fault,
-               Net net = Net::kShm, const std::vector<IbPath>& rdma_paths = {}, uint32_t first_epoch = 1,
+               Net net = Net::kShm, const std::vector<std::vector<IbPath>>& rdma_paths = {}, uint32_t first_epoch = 1,
                double proxy_spin_s = kDefaultProxySpinS, Signal signal = Signal::kFlag, uint32_t twoshot_from = kNever);
   ~Communicator();
   Communicator(const Communicator&) = delete;

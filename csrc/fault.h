@@ -36,12 +36,19 @@ ROCENANTE_HD Fault fault_kind(uint64_t w) { return Fault(w >> 56); }
 ROCENANTE_HD uint32_t fault_detail(uint64_t w) { return uint32_t(w >> 32) & 0xFFFFFFu; }
 ROCENANTE_HD uint32_t fault_value(uint64_t w) { return uint32_t(w); }
 // An abort word is the root cause (kind and detail) of the writer's fault, with its epoch as value: a rank that
-// aborts because a peer did passes that peer's cause on, so every rank names the same root cause.
-ROCENANTE_HD uint64_t abort_from(uint64_t own_fault, uint32_t epoch) {
+// aborts because a peer did passes that peer's cause on, so every rank names the same root cause. A transport
+// fault's cause also names whose path failed (`rank`, the writer): detail (rank + 1) << 8 | the peer; a detail
+// below 256 names no one (transport_cause_rank()).
+ROCENANTE_HD uint64_t abort_from(uint64_t own_fault, uint32_t epoch, int rank) {
   if (fault_kind(own_fault) == Fault::kPeerAborted)
     return encode_fault(Fault(fault_value(own_fault) >> 24), fault_value(own_fault) & 0xFFFFFFu, epoch);
-  return encode_fault(fault_kind(own_fault), fault_detail(own_fault), epoch);
+  const uint32_t detail = fault_detail(own_fault) | (fault_kind(own_fault) == Fault::kTransport ? uint32_t(rank + 1) << 8 : 0);
+  return encode_fault(fault_kind(own_fault), detail, epoch);
 }
+static_assert(kMaxRanks <= 256, "a transport cause holds the peer in 8 bits");
+// Of a transport cause's detail: the rank whose path failed (-1: not said), and the peer it failed to.
+ROCENANTE_HD int transport_cause_rank(uint32_t detail) { return int(detail >> 8) - 1; }
+ROCENANTE_HD int transport_cause_peer(uint32_t detail) { return int(detail & 0xFFu); }
 ROCENANTE_HD uint32_t abort_cause(uint64_t abort) { return (uint32_t(abort >> 56) << 24) | fault_detail(abort); }
 // What a rank records when it reads `abort` in abort[source] of its region.
 ROCENANTE_HD uint64_t peer_aborted(int source, uint64_t abort) {

@@ -460,7 +460,9 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
   // Every peer's call word first: no output before each one says the peer makes this very call. A network
   // peer's words are read only once its delivery of this call has arrived whole (layout.h, Mailbox).
   const auto call_of = [&](int s) {
-    if ((a.network & (1u << s)) && __atomic_load_n(a.arrivals + buffer * kMaxRanks + s, __ATOMIC_ACQUIRE) != epoch)
+    if ((a.network & (1u << s)) &&
+        !arrived_whole(a.arrivals + arrival_index(buffer, s), epoch,
+                       [](const uint32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }))
       return kEmpty;
     return load_word(call_word(a.local, buffer, s));
   };

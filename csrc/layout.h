@@ -1,11 +1,11 @@
-// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v3).
+// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v4).
 // One protocol for every transport: shared memory (host path), CUDA IPC (the kernel) and RDMA (a NIC writing
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
 // Region of rank r:  header | buffer[3] x peer area[world - 1] x capacity_bytes
-//   header:  abort[world] ({u64 word, u64 check}, bytes 0..127) | flag[b][world] (u32, from byte 128: network peers' arrival
-//            flags, below) | call[b][world] (u32, buffer b's from byte 256 + 128 b) | padding to 1024 bytes
-//            (kHeaderBytes)
+//   header:  abort[world] ({u64 word, u64 check}, bytes 0..127) | flag[b][world][kMaxRails] (u32, from byte 128:
+//            network peers' arrival flags, below) | call[b][world] (u32, buffer b's from byte 384 + 128 b) | padding
+//            to 1024 bytes (kHeaderBytes)
 //   area (b, s): where source s != r writes its part of a call that uses buffer b (area_offset());
 //   written by: source s writes only abort[s], call[b][s] and area (b, s) of every peer's region (it pushes);
 //               r's own host writes abort[r] (a fault only it knows of: a peer's process ended, a call it
@@ -197,7 +197,7 @@ constexpr int kMaxRanks = 8;
 // signature.
 constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 
-// The collectives, and how an all-reduce moves its data (protocol v3):
+// The collectives, and how an all-reduce moves its data (protocol v4):
 //   all-reduce, one-shot: every rank pushes its whole input into its area of every peer's region; each rank
 //     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (CallArgs).
 //   all-reduce, two-shot: the tensor is cut into `world` shards (Shards, below); every rank pushes shard p of its
@@ -326,10 +326,13 @@ constexpr size_t kLineBytes = 128;
 // one's), then padding so that the areas start on a 512-byte boundary (a warp's 16-byte stores then cover
 // whole sectors).
 constexpr size_t kHeaderBytes = 1024;
+// A network peer's data may come striped over up to kMaxRails queue pairs ("rails": the two PCIe functions of a
+// DGX Spark's port), each stripe followed by its own flag word on its own queue pair (Mailbox, below).
+constexpr int kMaxRails = 2;
 constexpr size_t kArrivalFlagsOffset = kLineBytes;
-constexpr size_t kCallWordsOffset = 2 * kLineBytes;
+constexpr size_t kCallWordsOffset = 3 * kLineBytes;
 static_assert(kMaxRanks * 2 * sizeof(uint64_t) <= kArrivalFlagsOffset &&
-                  kBuffers * kMaxRanks * sizeof(uint32_t) <= kCallWordsOffset - kArrivalFlagsOffset &&
+                  kBuffers * kMaxRanks * kMaxRails * sizeof(uint32_t) <= kCallWordsOffset - kArrivalFlagsOffset &&
                   kMaxRanks * sizeof(uint32_t) <= kLineBytes && kCallWordsOffset + kBuffers * kLineBytes <= kHeaderBytes &&
                   kHeaderBytes % 512 == 0,
               "the header holds the abort words, the flags, and a line of call words per buffer");
@@ -368,11 +371,21 @@ ROCENANTE_HD size_t call_word_offset(int buffer, int source) {
 ROCENANTE_HD uint32_t* call_word(uint32_t* region, int buffer, int source) {
   return region + call_word_offset(buffer, source) / sizeof(uint32_t);
 }
-// The arrival flags as an array [buffer][source] of u32, kNoEpoch until written (Mailbox says by whom).
+// The arrival flags as an array [buffer][source][rail] of u32, kNoEpoch until written (Mailbox says by whom).
+ROCENANTE_HD size_t arrival_index(int buffer, int source) { return (size_t(buffer) * kMaxRanks + size_t(source)) * kMaxRails; }
 ROCENANTE_HD size_t arrival_flag_offset(int buffer, int source) {
-  return kArrivalFlagsOffset + (size_t(buffer) * kMaxRanks + size_t(source)) * sizeof(uint32_t);
+  return kArrivalFlagsOffset + arrival_index(buffer, source) * sizeof(uint32_t);
 }
 ROCENANTE_HD uint32_t* arrival_flags(uint32_t* region) { return region + kArrivalFlagsOffset / sizeof(uint32_t); }
+// Whether source s's call `epoch` has arrived whole, its arrival words (arrivals + arrival_index(b, s)) read with
+// `load` (the host's and the kernel's loads differ): every rail's word holds the epoch (Mailbox, below).
+template <class Load>
+ROCENANTE_HD bool arrived_whole(const uint32_t* words, uint32_t epoch, Load load) {
+#pragma unroll
+  for (int k = 0; k < kMaxRails; ++k)
+    if (load(words + k) != epoch) return false;
+  return true;
+}
 ROCENANTE_HD uint32_t* area(uint32_t* region, const RegionLayout& l, int buffer, int receiver, int source) {
   return region + l.area_offset(buffer, receiver, source) / sizeof(uint32_t);
 }
@@ -398,14 +411,22 @@ ROCENANTE_HD uint32_t initial_word(size_t index) {
 // The reducer reads network peer s's call word and area of call e (buffer b = e % 3) only after it read the
 // arrival word of (b, s) equal to e (acquire; the kernel: a refetching load, then a fence, memory_order.cuh). Which word
 // that is, the signal says (Signal, transport.h; every rank alike):
-//   flag (default): flag[b][s] in the reducer's own region, written with e by s's wire after call e's call word
-//     and area, over the same connection (an RDMA reliable-connected queue pair, which places its writes in
-//     order: ibverbs.cc says on what grounds; the TCP wire places it after the delivery's data). No host thread
-//     of the receiving rank takes part.
-//   completion: the mailbox's arrived[b][s], stored with release by this rank's proxy once the wire reported
-//     s's delivery whole (a receive completion after the data: for fabrics that place writes out of order).
+//   flag (default): flag[b][s][0..kMaxRails) in the reducer's own region, each word written with e by s's wire
+//     after call e's call word and area, over the same connection (an RDMA reliable-connected queue pair, which
+//     places its writes in order: ibverbs.cc says on what grounds; the TCP wire places them after the delivery's
+//     data). A delivery striped over rails (ibverbs.cc) is a stripe per queue pair, and each rail's word follows
+//     its own stripe on its own queue pair; the words of rails that carried nothing of the call follow the data
+//     on the first rail, as all of them do for a call not striped. So every word equals e only once every stripe
+//     was placed, and the reducer waits for all of them (arrived_whole()). No host thread of the receiving rank
+//     takes part.
+//   completion: the mailbox's arrived[b][s][*], stored with release by this rank's proxy once the wire reported
+//     s's delivery whole (a receive completion after the data: for fabrics that place writes out of order; such
+//     a delivery is never striped).
 // Each arrival word of buffer b holds, one after another, the epochs of the calls that used b (e, e + 3, ...)
-// and is never reset: before call e's delivery is whole it holds e - 3 or kNoEpoch (its start), never e. A wire
+// and is never reset: before call e's delivery is whole it holds e - 3 or kNoEpoch (its start), never e. A
+// rail's word of call e - 3 cannot land after the first rail's word of call e: the reducer read it before its
+// call e - 3 ended, and the sender makes call e only after that (the slot argument below), while an RC queue
+// pair executes a write once. A wire
 // guarantees neither placement order among a delivery's data nor word atomicity while it lands (transport.h);
 // this wait is why neither is needed. No stale delivery after a fault follows: a call's flag is posted only
 // after its call word and area, and only for a call the reducer rang, that is, wrote whole.
@@ -418,7 +439,7 @@ ROCENANTE_HD uint32_t initial_word(size_t index) {
 // The ring (the reducer's) and the arrival words (the proxy's) lie on separate lines (kLineBytes).
 struct Mailbox {
   alignas(kLineBytes) uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
-  alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks];  // completion signal only; laid out as the flags
+  alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks][kMaxRails];  // completion signal only; as the flags
 };
 ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
 

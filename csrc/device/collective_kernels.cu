@@ -84,7 +84,7 @@ __device__ void record_fault(const CallArgs& a, const DeviceState& s, uint64_t f
 #pragma unroll
   for (int p = 0; p < kMaxRanks; ++p)
     if (p < a.world && p != a.rank && !(a.network & (1u << p)))
-      store_abort_sys(a.peer[p], a.rank, abort_from(fault, epoch));
+      store_abort_sys(a.peer[p], a.rank, abort_from(fault, epoch, a.rank));
 }
 
 // DeviceState::sent counts each CTA once, plus kUnsent for a CTA of which some thread sent nothing.
@@ -154,7 +154,9 @@ __device__ __forceinline__ bool receive(const CallArgs& a, const DeviceState& s,
       // A network peer's words are read only once its delivery of this call has arrived whole (layout.h).
       const bool network = a.network & (1u << p);
       if (network && !(calls_seen & (1u << p))) {
-        if (load_polled(a.arrivals + buffer * kMaxRanks + p, true) != epoch) continue;
+        if (!arrived_whole(a.arrivals + arrival_index(buffer, p), epoch,
+                           [](const uint32_t* w) { return load_polled(w, true); }))
+          continue;
         fence_acquire_sys();
       }
       if (!(calls_seen & (1u << p))) theirs[p] = load_polled(call_word(a.local, buffer, p), network);

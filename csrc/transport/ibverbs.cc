@@ -1,4 +1,4 @@
-// RDMA over RoCE v2 (libibverbs, CPU memory): one reliable-connected (RC) queue pair per peer.
+// RDMA over RoCE v2 (libibverbs, CPU memory): one reliable-connected (RC) queue pair per peer and rail.
 //
 // Memory, per transport: a WireBlock (transport.h), holding
 //   region  (RegionLayout::region_bytes(), filled with initial_word(), registered with remote write: the peers'
@@ -15,9 +15,16 @@
 // Data path, per call (driven by the proxy, proxy.cc): the reducer fills the image, deliver(p, offset, bytes)
 // posts one RDMA WRITE of image[offset, offset + bytes) to the same offset of p's region for each peer,
 // signal(e) posts one signal per peer after them on the same queue pair, and delivered() polls for the
-// completions of all of them. The signal (Signal, transport.h):
-//   flag (default): a 4-byte inline RDMA WRITE of e into flag[e % 3][rank] of p's region; p's reducer polls that
-//     flag and reads the data once it reads e (layout.h, Mailbox): no receive, no host thread at p.
+// completions of all of them. Rails: a peer reached through several local devices (the two PCIe functions of a
+// DGX Spark's port) has a queue pair on each, in the order both ends agreed (python/rocenante/_ib.py); with the
+// flag signal, a span of kStripeFromBytes or more is cut into one stripe per rail, each on its rail's queue pair,
+// and each rail that carried a stripe writes its own word of the flag after it (layout.h, Mailbox); everything
+// else (call words, small spans, the words of rails that carried nothing, abort words) takes the first rail.
+// The argument below holds for each rail's queue pair on its own; a stripe is read only after its rail's word.
+// The signal (Signal, transport.h):
+//   flag (default): an inline RDMA WRITE of e into the words of flag[e % 3][rank] of p's region that the queue
+//     pair's stripes need (all of them on the first rail of a call not striped); p's reducer polls them and
+//     reads the data once every word reads e (layout.h, Mailbox): no receive, no host thread at p.
 //   completion: a zero-length RDMA WRITE WITH IMMEDIATE carrying a per-peer sequence number; p's proxy takes
 //     its receive completion and tells its reducer through the mailbox.
 // The words themselves may land in pieces (SoftRoCE under an emulated CPU copies byte by byte: a reader polling
@@ -45,10 +52,10 @@
 //   4. r reads p's words of call e only after p's signal of call e arrived. Completion: a receive completion,
 //      generated after the message and, by 2, all earlier ones were placed (NCCL's net_ib signals the same way,
 //      a 0-byte RDMA_WRITE_WITH_IMM after the data); its immediate is p's count of signals to r, which r checks,
-//      so a lost or repeated signal is a fault, never a shifted call. Flag: r reads flag[e%3][p] == e in its
-//      memory. p writes e there only after call e's data on the same queue pair (and only for a call its
-//      reducer wrote whole, layout.h); a flag of buffer e%3 is e - 3 or older until then (never e), and by 1 and
-//      3 no older flag write lands after it. That the data is in r's memory once the flag is rests on
+//      so a lost or repeated signal is a fault, never a shifted call. Flag: r reads every word of flag[e%3][p]
+//      == e in its memory. p writes each word e only after the part of call e's data it covers, on the same
+//      queue pair (and only for a call its reducer wrote whole, layout.h); a word of buffer e%3 is e - 3 or older
+//      until then (never e), and by 1 and 3 no older write of it lands after it. That the data is in r's memory once the flag is rests on
 //      placement in order, which the IB specification does not promise for RDMA WRITE data (it orders
 //      execution, 2) and which this path relies on, as the real RoCEnante (b12x, and FlashInfer's copy of it)
 //      does: a NIC that places one queue pair's writes in order (ConnectX does, unless out-of-order placement
@@ -169,15 +176,22 @@ constexpr int kRoundWrs = 3;
 // Writes in flight per queue pair: kRoundsInFlight rounds, an abort word and a probe, with room to spare.
 constexpr uint32_t kMaxSendWr = 16;
 static_assert(kRoundsInFlight * kRoundWrs + 2 <= int(kMaxSendWr), "the send queue never overflows");
-// Writes this small go inline (copied into the work request when posted): a call word, a flag.
-constexpr uint32_t kMaxInline = sizeof(uint32_t);
+// Writes this small go inline (copied into the work request when posted): a call word, a flag's words.
+constexpr uint32_t kMaxInline = kMaxRails * sizeof(uint32_t);
+// A delivered span of this many bytes or more is striped over the peer's rails (layout.h, Mailbox): below it, a
+// second queue pair's post and flag cost more than the half of the bytes it takes off the first (about 1.2 us
+// at 95 Gb/s). Only the sender decides: the receiver waits for every rail's word either way. The HCA list
+// (ROCENANTE_IB_HCA) is the way to use fewer rails.
+constexpr size_t kStripeFromBytes = size_t(32) << 10;
+static_assert(kMaxRails == 2, "signal() writes the flag's words as the first rail's and the second's");
 // Receives posted per queue pair, one consumed by each signal: a peer is at most one call ahead (layout.h), so
 // at most two signals wait at a time.
 constexpr uint32_t kRecvDepth = 16;
 constexpr uint32_t kPsnMask = 0xFFFFFF;  // PSNs and QP numbers are 24-bit
 
-// What a peer needs to reach this rank's region over one queue pair; rank p's handle holds one per rank, and
-// rank q reads entry [q]. Fixed size, no implicit padding: it travels as raw bytes through the store.
+// What a peer needs to reach this rank's region over one queue pair; rank p's handle holds kMaxRails per rank,
+// and rank q reads entries [q][0..kMaxRails), one per rail (zeros past its rails). Fixed size, no implicit
+// padding: it travels as raw bytes through the store.
 struct Endpoint {
   uint8_t gid[16];
   uint32_t qp_num;
@@ -218,17 +232,15 @@ struct Device {
   int outstanding = 0;          // signalled writes posted on this device and not yet completed
 };
 
-struct PeerLink {
+// One queue pair to a peer.
+struct Rail {
   int device = -1;  // index into devices_
   IbPath path;
   ibv_qp* qp = nullptr;
   Endpoint local{};
   Endpoint remote{};
-  bool pending = false;    // delivered to since the last signal
-  uint32_t signals = 0;    // signals sent
-  uint32_t arrivals = 0;   // signals received (each carries the sender's count, checked)
-  uint32_t consumed = 0;   // arrivals the host path has used
-  int in_flight = 0;       // signalled writes to this peer posted and not yet completed
+  bool striped = false;  // carries a stripe of the round being gathered
+  int in_flight = 0;     // signalled writes posted on it and not yet completed
   // The round being gathered (deliver() appends, signal() posts it as one chained list, only its signal
   // signalled: RC completes a queue pair's requests in order, so its completion covers the writes before it).
   ibv_send_wr round[kRoundWrs];
@@ -236,23 +248,38 @@ struct PeerLink {
   int gathered = 0;
 };
 
+struct PeerLink {
+  std::vector<Rail> rails;  // rails[0]: the first rail
+  bool pending = false;     // delivered to since the last signal
+  uint32_t signals = 0;     // signals sent
+  uint32_t arrivals = 0;    // signals received (each carries the sender's count, checked)
+  uint32_t consumed = 0;    // arrivals the host path has used
+};
+
 class IbverbsWire final : public Wire {
  public:
-  IbverbsWire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths, Signal signal)
+  IbverbsWire(int rank, const RegionLayout& layout, const std::vector<std::vector<IbPath>>& paths, Signal signal)
       : Wire(signal), rank_(rank), world_(layout.world), bytes_(layout.region_bytes()), links_(layout.world) {
     const Verbs& v = verbs();
     if (signal != Signal::kFlag && signal != Signal::kCompletion)
       ROCENANTE_THROW(InvalidArgument, "RDMA signals with a flag or a completion, not mode " +
                                            std::to_string(uint32_t(signal)) + " (a TCP wire's test mode)");
     if (int(paths.size()) != world_)
-      ROCENANTE_THROW(InvalidArgument, "expected one RDMA path per rank (" + std::to_string(world_) + "), got " +
+      ROCENANTE_THROW(InvalidArgument, "expected the RDMA rails to every rank (" + std::to_string(world_) + "), got " +
                                            std::to_string(paths.size()));
-    for (int p = 0; p < world_; ++p)
-      if (p != rank_ && (paths[p].traffic_class < 0 || paths[p].traffic_class > 255 || paths[p].service_level < 0 ||
-                         paths[p].service_level > 15))
-        ROCENANTE_THROW(InvalidArgument, "the path to rank " + std::to_string(p) + " asks for traffic class " +
-                                             std::to_string(paths[p].traffic_class) + " and service level " +
-                                             std::to_string(paths[p].service_level) + ": use 0..255 and 0..15");
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      const size_t rails = paths[p].size();
+      if (rails < 1 || rails > size_t(kMaxRails) || (rails > 1 && signal != Signal::kFlag))
+        ROCENANTE_THROW(InvalidArgument, "the path to rank " + std::to_string(p) + " has " + std::to_string(rails) +
+                                             " rails: 1 to " + std::to_string(kMaxRails) +
+                                             " with the flag signal, 1 with the completion signal");
+      for (const IbPath& path : paths[p])
+        if (path.traffic_class < 0 || path.traffic_class > 255 || path.service_level < 0 || path.service_level > 15)
+          ROCENANTE_THROW(InvalidArgument, "the path to rank " + std::to_string(p) + " asks for traffic class " +
+                                               std::to_string(path.traffic_class) + " and service level " +
+                                               std::to_string(path.service_level) + ": use 0..255 and 0..15");
+    }
     // The staging slots (the block's extra bytes) start as zeros too: an abort word is sent only once staged.
     block_ = std::make_unique<WireBlock>(bytes_, kMaxRanks * kAbortSlotBytes);
     // A forked child gets none of the registered memory: pinned pages shared with a child would be the NIC's
@@ -261,40 +288,43 @@ class IbverbsWire final : public Wire {
       block_.reset();
       throw_system_error("madvise(MADV_DONTFORK)", __FILE__, __LINE__);
     }
-    devices_.reserve(world_);
+    devices_.reserve(size_t(world_) * kMaxRails);  // Device addresses stay put (first_peer_on())
     try {
       std::random_device rd;
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
-        PeerLink& l = links_[p];
-        l.path = paths[p];
-        l.device = open_device(paths[p], p);
-        Device& d = devices_[l.device];
-        check_port(d, paths[p], p, l.local);
-        ibv_qp_init_attr init{};
-        init.send_cq = d.cq;
-        init.recv_cq = d.recv_cq;
-        init.cap.max_send_wr = kMaxSendWr;
-        init.cap.max_recv_wr = kRecvDepth;  // receives take no data: a signal carries only its immediate
-        init.cap.max_send_sge = 1;
-        init.cap.max_recv_sge = 1;
-        init.cap.max_inline_data = kMaxInline;
-        init.qp_type = IBV_QPT_RC;
-        l.qp = v.create_qp(d.pd, &init);
-        if (l.qp == nullptr) fail_errno("create a queue pair on " + d.name, p);
-        ibv_qp_attr a{};
-        a.qp_state = IBV_QPS_INIT;
-        a.pkey_index = 0;
-        a.port_num = uint8_t(paths[p].port);
-        a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
-        if (const int err = v.modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
-          fail_code("move the queue pair to INIT", p, err);
-        for (uint32_t i = 0; signal == Signal::kCompletion && i < kRecvDepth; ++i)
-          if (const int err = post_receive(p)) fail_code("post a receive", p, err);
-        l.local.qp_num = l.qp->qp_num;
-        l.local.psn = rd() & kPsnMask;
-        l.local.addr = reinterpret_cast<uintptr_t>(block_->region());
-        l.local.rkey = d.region_mr->rkey;
+        links_[p].rails.resize(paths[p].size());
+        for (size_t k = 0; k < paths[p].size(); ++k) {
+          Rail& r = links_[p].rails[k];
+          r.path = paths[p][k];
+          r.device = open_device(r.path, p);
+          Device& d = devices_[r.device];
+          check_port(d, r.path, p, r.local);
+          ibv_qp_init_attr init{};
+          init.send_cq = d.cq;
+          init.recv_cq = d.recv_cq;
+          init.cap.max_send_wr = kMaxSendWr;
+          init.cap.max_recv_wr = kRecvDepth;  // receives take no data: a signal carries only its immediate
+          init.cap.max_send_sge = 1;
+          init.cap.max_recv_sge = 1;
+          init.cap.max_inline_data = kMaxInline;
+          init.qp_type = IBV_QPT_RC;
+          r.qp = v.create_qp(d.pd, &init);
+          if (r.qp == nullptr) fail_errno("create a queue pair on " + d.name, p);
+          ibv_qp_attr a{};
+          a.qp_state = IBV_QPS_INIT;
+          a.pkey_index = 0;
+          a.port_num = uint8_t(r.path.port);
+          a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
+          if (const int err = v.modify_qp(r.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+            fail_code("move the queue pair to INIT", p, err);
+          for (uint32_t i = 0; signal == Signal::kCompletion && i < kRecvDepth; ++i)
+            if (const int err = post_receive(p)) fail_code("post a receive", p, err);
+          r.local.qp_num = r.qp->qp_num;
+          r.local.psn = rd() & kPsnMask;
+          r.local.addr = reinterpret_cast<uintptr_t>(block_->region());
+          r.local.rkey = d.region_mr->rkey;
+        }
       }
     } catch (...) {
       release();
@@ -307,68 +337,41 @@ class IbverbsWire final : public Wire {
   std::string local_handle() const override {
     const HandleHeader h{kRdmaHandleMagic, uint32_t(world_), bytes_};
     std::string s(reinterpret_cast<const char*>(&h), sizeof(h));
-    for (const PeerLink& l : links_) s.append(reinterpret_cast<const char*>(&l.local), sizeof(Endpoint));
+    for (const PeerLink& l : links_)
+      for (int k = 0; k < kMaxRails; ++k) {
+        const Endpoint none{};
+        const Endpoint& e = k < int(l.rails.size()) ? l.rails[k].local : none;
+        s.append(reinterpret_cast<const char*>(&e), sizeof(Endpoint));
+      }
     return s;
   }
 
   void connect(const std::vector<std::string>& handles) override {
-    const Verbs& v = verbs();
+    const size_t handle_bytes = sizeof(HandleHeader) + size_t(world_) * kMaxRails * sizeof(Endpoint);
     for (int p = 0; p < world_; ++p) {
       if (p == rank_) continue;
       PeerLink& l = links_[p];
       const std::string who = "rank " + std::to_string(rank_) + ": rank " + std::to_string(p);
       const std::string& h = handles[p];
       HandleHeader hh{};
-      if (h.size() != sizeof(HandleHeader) + size_t(world_) * sizeof(Endpoint))
+      if (h.size() != handle_bytes)
         ROCENANTE_THROW(Error, who + " published an RDMA handle of " + std::to_string(h.size()) + " bytes, expected " +
-                                   std::to_string(sizeof(HandleHeader) + world_ * sizeof(Endpoint)) +
-                                   " (is every rank using RDMA? ROCENANTE_NET must agree)");
+                                   std::to_string(handle_bytes) + " (is every rank using RDMA? ROCENANTE_NET must agree)");
       std::memcpy(&hh, h.data(), sizeof(hh));
       if (hh.magic != kRdmaHandleMagic || hh.world != uint32_t(world_) || hh.region_bytes != bytes_)
         ROCENANTE_THROW(Error, who + " published an RDMA handle that does not match this rank's (magic, world or "
                                      "region size differ)");
-      std::memcpy(&l.remote, h.data() + sizeof(HandleHeader) + size_t(rank_) * sizeof(Endpoint), sizeof(Endpoint));
-      const Endpoint& r = l.remote;
-      if (r.qp_num == 0 || r.qp_num > kPsnMask || r.psn > kPsnMask || r.addr == 0 || mtu_bytes(r.mtu) == 0 ||
-          std::all_of(std::begin(r.gid), std::end(r.gid), [](uint8_t b) { return b == 0; }))
-        ROCENANTE_THROW(Error, who + " published an impossible RDMA endpoint (queue pair " + std::to_string(r.qp_num) +
-                                   ", PSN " + std::to_string(r.psn) + ", MTU code " + std::to_string(r.mtu) +
-                                   ", GID " + hex_gid(r.gid) + ")");
-      const uint32_t mtu = std::min(l.local.mtu, r.mtu);
-      if (r.mtu != l.local.mtu)
-        std::fprintf(stderr, "rocenante: %s's port MTU is %d bytes, this rank's (%s port %d) %d: the path uses %d\n",
-                     who.c_str(), mtu_bytes(r.mtu), l.path.device.c_str(), l.path.port, mtu_bytes(l.local.mtu),
-                     mtu_bytes(mtu));
-
-      ibv_qp_attr a{};
-      a.qp_state = IBV_QPS_RTR;
-      a.path_mtu = ibv_mtu(mtu);
-      a.dest_qp_num = r.qp_num;
-      a.rq_psn = r.psn;
-      a.max_dest_rd_atomic = 1;
-      a.min_rnr_timer = kRnrTimer;
-      a.ah_attr.is_global = 1;  // RoCE: every packet carries a GRH (the UDP/IP header on RoCE v2)
-      std::memcpy(a.ah_attr.grh.dgid.raw, r.gid, 16);
-      a.ah_attr.grh.sgid_index = uint8_t(l.path.gid_index);
-      a.ah_attr.grh.hop_limit = kHopLimit;
-      a.ah_attr.grh.traffic_class = uint8_t(l.path.traffic_class);
-      a.ah_attr.sl = uint8_t(l.path.service_level);
-      a.ah_attr.port_num = uint8_t(l.path.port);
-      if (const int err = v.modify_qp(l.qp, &a,
-                                      IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
-        fail_code("connect the queue pair (RTR, peer GID " + hex_gid(r.gid) + ")", p, err);
-      a = {};
-      a.qp_state = IBV_QPS_RTS;
-      a.timeout = kAckTimeout;
-      a.retry_cnt = kRetryCount;
-      a.rnr_retry = kRnrRetry;
-      a.sq_psn = l.local.psn;
-      a.max_rd_atomic = 1;
-      if (const int err = v.modify_qp(l.qp, &a,
-                                      IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                          IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
-        fail_code("move the queue pair to RTS", p, err);
+      for (int k = 0; k < kMaxRails; ++k) {
+        Endpoint r{};
+        std::memcpy(&r, h.data() + sizeof(HandleHeader) + (size_t(rank_) * kMaxRails + k) * sizeof(Endpoint),
+                    sizeof(Endpoint));
+        const bool ours = k < int(l.rails.size());
+        if (ours != (r.qp_num != 0))  // both ends chose their rails alike (python/rocenante/_ib.py)
+          ROCENANTE_THROW(Error, who + (ours ? " has no" : " has a") + " rail " + std::to_string(k + 1) +
+                                     " to this rank, which has " + std::to_string(l.rails.size()) +
+                                     ": the two ends chose their RDMA devices differently");
+        if (ours) connect_rail(p, l.rails[k], r, who);
+      }
     }
   }
 
@@ -376,29 +379,47 @@ class IbverbsWire final : public Wire {
   uint32_t* peer_region(int) const override { return block_->image(); }
 
   void deliver(int peer, size_t offset, size_t bytes) override {
-    links_[peer].pending = true;
+    PeerLink& l = links_[peer];
+    l.pending = true;
     if (bytes == 0) return;
-    if (links_[peer].gathered == kRoundWrs - 1) post_round(peer);  // the signal must come last: make room
-    gather(peer, reinterpret_cast<char*>(block_->image()) + offset, offset, bytes);
+    const int rails = bytes >= kStripeFromBytes ? int(l.rails.size()) : 1;  // one with the completion signal
+    const size_t stripe = bytes / size_t(rails) / 16 * 16;                  // whole 16-byte chunks, the last the rest
+    for (int k = 0; k < rails; ++k) {
+      const size_t begin = offset + size_t(k) * stripe, length = k + 1 < rails ? stripe : bytes - size_t(k) * stripe;
+      if (l.rails[k].gathered == kRoundWrs - 1) post_round(peer, k);  // the signal must come last: make room
+      gather(peer, k, reinterpret_cast<char*>(block_->image()) + begin, begin, length);
+      l.rails[k].striped = k > 0;
+    }
   }
 
   void signal(uint32_t epoch) override {
+    const uint32_t flag[kMaxRails] = {epoch, epoch};  // inline: copied when posted, below
+    const size_t flag_offset = arrival_flag_offset(buffer_of(epoch), rank_);
     for (int p = 0; p < world_; ++p) {
       PeerLink& l = links_[p];
       if (!l.pending) continue;
       l.pending = false;
       if (signal_ == Signal::kFlag) {
-        gather(p, &epoch, arrival_flag_offset(buffer_of(epoch), rank_), sizeof(epoch));  // inline: copied below
+        // The second rail's word after its stripe, on its queue pair; every other word after the first rail's.
+        Rail& second = l.rails.size() > 1 ? l.rails[1] : l.rails[0];
+        const bool striped = std::exchange(second.striped, false);
+        gather(p, 0, flag, flag_offset, striped ? sizeof(uint32_t) : sizeof(flag));
+        if (striped) gather(p, 1, flag + 1, flag_offset + sizeof(uint32_t), sizeof(uint32_t));
       } else {
-        ibv_send_wr& wr = l.round[l.gathered++];
+        Rail& r = l.rails[0];
+        ibv_send_wr& wr = r.round[r.gathered++];
         wr = {};
         wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;  // zero bytes: only the immediate and its receive completion
         wr.imm_data = htonl(l.signals++);
-        wr.wr.rdma.remote_addr = l.remote.addr;
-        wr.wr.rdma.rkey = l.remote.rkey;
+        wr.wr.rdma.remote_addr = r.remote.addr;
+        wr.wr.rdma.rkey = r.remote.rkey;
       }
-      l.round[l.gathered - 1].send_flags |= IBV_SEND_SIGNALED;
-      post_round(p);
+      for (int k = 0; k < int(l.rails.size()); ++k) {
+        Rail& r = l.rails[k];
+        if (r.gathered == 0) continue;
+        r.round[r.gathered - 1].send_flags |= IBV_SEND_SIGNALED;
+        post_round(p, k);
+      }
     }
     signalled_ = std::chrono::steady_clock::now();
   }
@@ -420,7 +441,7 @@ class IbverbsWire final : public Wire {
 
   bool arrived(int peer, uint64_t& fault) override {
     if (signal_ != Signal::kCompletion) return false;  // no receives: a failure shows in our writes' completions
-    Device& d = devices_[links_[peer].device];
+    Device& d = devices_[links_[peer].rails[0].device];
     ibv_wc wc[8];
     for (int n; (n = ibv_poll_cq(d.recv_cq, 8, wc)) != 0;) {
       if (n < 0) {
@@ -452,19 +473,24 @@ class IbverbsWire final : public Wire {
 
   void consume(int peer) override { ++links_[peer].consumed; }
 
-  // A zero-length RDMA WRITE, which the peer's NIC acknowledges (or which fails after the retry budget), unless
-  // a write to the peer is in flight already; failures of any write on the device come back here too.
+  // On each rail, a zero-length RDMA WRITE, which the peer's NIC acknowledges (or which fails after the retry
+  // budget), unless a write on that rail is in flight already; failures of any write on the devices come back
+  // here too. Every rail is probed: a call too small to be striped uses the first alone.
   void probe(int peer, uint64_t& fault) override {
     PeerLink& l = links_[peer];
-    if (l.qp == nullptr || l.remote.qp_num == 0) return;
-    if ((fault = take_pending_fault()) == 0) fault = poll_completions(devices_[l.device]);
-    if (fault != 0 || l.in_flight > 0) return;
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_RDMA_WRITE;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    wr.wr.rdma.remote_addr = l.remote.addr;
-    wr.wr.rdma.rkey = l.remote.rkey;
-    post(peer, wr);
+    if ((fault = take_pending_fault()) != 0) return;
+    for (int k = 0; k < int(l.rails.size()); ++k) {
+      Rail& r = l.rails[k];
+      if (r.qp == nullptr || r.remote.qp_num == 0) return;
+      if ((fault = poll_completions(devices_[r.device])) != 0) return;
+      if (r.in_flight > 0) continue;
+      ibv_send_wr wr{};
+      wr.opcode = IBV_WR_RDMA_WRITE;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.wr.rdma.remote_addr = r.remote.addr;
+      wr.wr.rdma.rkey = r.remote.rkey;
+      post(peer, k, wr);
+    }
   }
 
   void post_abort(int peer, uint64_t word) noexcept override {
@@ -472,7 +498,9 @@ class IbverbsWire final : public Wire {
       store_abort(local_region(), rank_, word);
       return;
     }
-    if (links_[peer].qp == nullptr || links_[peer].remote.qp_num == 0) return;  // never connected
+    if (links_[peer].rails.empty()) return;
+    const Rail& first = links_[peer].rails[0];
+    if (first.qp == nullptr || first.remote.qp_num == 0) return;  // never connected
     uint64_t* slot = reinterpret_cast<uint64_t*>(block_->extra()) + 2 * peer;
     slot[0] = word;
     slot[1] = ~word;
@@ -480,10 +508,55 @@ class IbverbsWire final : public Wire {
       post_write(peer, slot, size_t(rank_) * kAbortSlotBytes, kAbortSlotBytes);
     } catch (...) {
     }
-    drain(devices_[links_[peer].device], kAbortDrainS);  // a peer that cannot be told times out instead
+    drain(devices_[first.device], kAbortDrainS);  // a peer that cannot be told times out instead
   }
 
  private:
+  // Moves one rail's queue pair to RTS toward the peer's endpoint `r`.
+  void connect_rail(int p, Rail& l, const Endpoint& r, const std::string& who) {
+    const Verbs& v = verbs();
+    l.remote = r;
+    if (r.qp_num == 0 || r.qp_num > kPsnMask || r.psn > kPsnMask || r.addr == 0 || mtu_bytes(r.mtu) == 0 ||
+        std::all_of(std::begin(r.gid), std::end(r.gid), [](uint8_t b) { return b == 0; }))
+      ROCENANTE_THROW(Error, who + " published an impossible RDMA endpoint (queue pair " + std::to_string(r.qp_num) +
+                                 ", PSN " + std::to_string(r.psn) + ", MTU code " + std::to_string(r.mtu) + ", GID " +
+                                 hex_gid(r.gid) + ")");
+    const uint32_t mtu = std::min(l.local.mtu, r.mtu);
+    if (r.mtu != l.local.mtu)
+      std::fprintf(stderr, "rocenante: %s's port MTU is %d bytes, this rank's (%s port %d) %d: the path uses %d\n",
+                   who.c_str(), mtu_bytes(r.mtu), l.path.device.c_str(), l.path.port, mtu_bytes(l.local.mtu),
+                   mtu_bytes(mtu));
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = ibv_mtu(mtu);
+    a.dest_qp_num = r.qp_num;
+    a.rq_psn = r.psn;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = kRnrTimer;
+    a.ah_attr.is_global = 1;  // RoCE: every packet carries a GRH (the UDP/IP header on RoCE v2)
+    std::memcpy(a.ah_attr.grh.dgid.raw, r.gid, 16);
+    a.ah_attr.grh.sgid_index = uint8_t(l.path.gid_index);
+    a.ah_attr.grh.hop_limit = kHopLimit;
+    a.ah_attr.grh.traffic_class = uint8_t(l.path.traffic_class);
+    a.ah_attr.sl = uint8_t(l.path.service_level);
+    a.ah_attr.port_num = uint8_t(l.path.port);
+    if (const int err = v.modify_qp(l.qp, &a,
+                                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+      fail_code("connect the queue pair (RTR, peer GID " + hex_gid(r.gid) + ")", p, err);
+    a = {};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = kAckTimeout;
+    a.retry_cnt = kRetryCount;
+    a.rnr_retry = kRnrRetry;
+    a.sq_psn = l.local.psn;
+    a.max_rd_atomic = 1;
+    if (const int err = v.modify_qp(l.qp, &a,
+                                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+      fail_code("move the queue pair to RTS", p, err);
+  }
+
   int open_device(const IbPath& path, int peer) {
     const Verbs& v = verbs();
     for (size_t i = 0; i < devices_.size(); ++i)
@@ -510,7 +583,7 @@ class IbverbsWire final : public Wire {
     if (dd.ctx == nullptr) fail_errno("open RDMA device " + dd.name, peer);
     dd.pd = v.alloc_pd(dd.ctx);
     if (dd.pd == nullptr) fail_errno("allocate a protection domain on " + dd.name, peer);
-    dd.cq = v.create_cq(dd.ctx, int(kMaxSendWr) * world_, nullptr, nullptr, 0);
+    dd.cq = v.create_cq(dd.ctx, int(kMaxSendWr) * world_ * kMaxRails, nullptr, nullptr, 0);
     if (dd.cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
     dd.recv_cq = v.create_cq(dd.ctx, int(kRecvDepth) * world_, nullptr, nullptr, 0);
     if (dd.recv_cq == nullptr) fail_errno("create a completion queue on " + dd.name, peer);
@@ -555,10 +628,10 @@ class IbverbsWire final : public Wire {
     }
   }
 
-  // Appends to peer's round an unsignalled RDMA WRITE of `bytes` at `src` (inside the send registration, or
-  // anywhere when it goes inline: kMaxInline) to `offset` of peer's region.
-  void gather(int peer, const void* src, size_t offset, size_t bytes) {
-    PeerLink& l = links_[peer];
+  // Appends to the round of peer's rail `k` an unsignalled RDMA WRITE of `bytes` at `src` (inside the send
+  // registration, or anywhere when it goes inline: kMaxInline) to `offset` of peer's region.
+  void gather(int peer, int k, const void* src, size_t offset, size_t bytes) {
+    Rail& l = links_[peer].rails[k];
     ibv_sge& sge = l.sges[l.gathered];
     sge.addr = reinterpret_cast<uintptr_t>(src);
     sge.length = uint32_t(bytes);
@@ -573,43 +646,49 @@ class IbverbsWire final : public Wire {
     wr.wr.rdma.rkey = l.remote.rkey;
   }
 
-  // Posts peer's gathered round as one list.
-  void post_round(int peer) {
-    PeerLink& l = links_[peer];
+  // Posts the gathered round of peer's rail `k` as one list.
+  void post_round(int peer, int k) {
+    Rail& l = links_[peer].rails[k];
     for (int i = 0; i + 1 < l.gathered; ++i) l.round[i].next = &l.round[i + 1];
     const int n = std::exchange(l.gathered, 0);
-    if (n > 0) post(peer, l.round[0], (l.round[n - 1].send_flags & IBV_SEND_SIGNALED) != 0);
+    if (n > 0) post(peer, k, l.round[0], (l.round[n - 1].send_flags & IBV_SEND_SIGNALED) != 0);
   }
 
   // Posts one signalled RDMA WRITE of `bytes` at `src` (inside the send registration) to `offset` of peer's
-  // region, on its own.
+  // region, on its own, on the first rail.
   void post_write(int peer, void* src, size_t offset, size_t bytes) {
-    gather(peer, src, offset, bytes);
-    ibv_send_wr& wr = links_[peer].round[links_[peer].gathered - 1];
-    wr.send_flags = IBV_SEND_SIGNALED;  // from the registration: an abort slot is larger than kMaxInline
-    post_round(peer);
+    gather(peer, 0, src, offset, bytes);
+    Rail& l = links_[peer].rails[0];
+    l.round[l.gathered - 1].send_flags = IBV_SEND_SIGNALED;  // from the registration: larger than kMaxInline
+    post_round(peer, 0);
   }
 
-  // Posts the list `wr`, whose last request is `signalled` (the others are not). A post the NIC refuses is
-  // recorded as that peer's transport fault. A completion is counted (Device::outstanding, in_flight) for the
-  // signalled request only, which the wr_id says: an unsignalled one that fails completes too, uncounted.
-  void post(int peer, ibv_send_wr& wr, bool signalled = true) {
-    for (ibv_send_wr* w = &wr; w != nullptr; w = w->next) w->wr_id = (uint64_t(peer) << 1) | (w->next == nullptr && signalled);
+  // A work request's id: the peer, the rail and whether it is signalled (the others are not counted).
+  static uint64_t wr_id(int peer, int k, bool signalled) { return (uint64_t(peer) << 4) | (uint64_t(k) << 1) | signalled; }
+  static_assert(kMaxRails <= 8, "wr_id() holds the rail in 3 bits");
+
+  // Posts the list `wr` on peer's rail `k`, its last request `signalled` (the others are not). A post the NIC
+  // refuses is recorded as that peer's transport fault. A completion is counted (Device::outstanding, in_flight)
+  // for the signalled request only, which the wr_id says: an unsignalled one that fails completes too, uncounted.
+  void post(int peer, int k, ibv_send_wr& wr, bool signalled = true) {
+    Rail& l = links_[peer].rails[k];
+    for (ibv_send_wr* w = &wr; w != nullptr; w = w->next) w->wr_id = wr_id(peer, k, w->next == nullptr && signalled);
     ibv_send_wr* bad = nullptr;
-    if (ibv_post_send(links_[peer].qp, &wr, &bad) != 0) {
+    if (ibv_post_send(l.qp, &wr, &bad) != 0) {
       if (pending_fault_ == 0) pending_fault_ = encode_fault(Fault::kTransport, uint32_t(peer), kPostFailed);
       return;
     }
     if (!signalled) return;
-    ++devices_[links_[peer].device].outstanding;
-    ++links_[peer].in_flight;
+    ++devices_[l.device].outstanding;
+    ++l.in_flight;
   }
 
+  // A receive for the completion signal, on the first rail (the only one it takes).
   int post_receive(int peer) {
     ibv_recv_wr wr{};
     wr.wr_id = uint64_t(peer);
     ibv_recv_wr* bad = nullptr;
-    return ibv_post_recv(links_[peer].qp, &wr, &bad);
+    return ibv_post_recv(links_[peer].rails[0].qp, &wr, &bad);
   }
 
   // A post the NIC refused, or a write drain() saw fail, once.
@@ -622,12 +701,13 @@ class IbverbsWire final : public Wire {
     for (int n; d.outstanding > 0 && (n = ibv_poll_cq(d.cq, 8, wc)) != 0;) {
       if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
       for (int i = 0; i < n; ++i) {
+        const int peer = int(wc[i].wr_id >> 4);
         if (wc[i].wr_id & 1) {
           --d.outstanding;
-          --links_[wc[i].wr_id >> 1].in_flight;
+          --links_[peer].rails[(wc[i].wr_id >> 1) & 7].in_flight;
         }
         if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
-          fault = encode_fault(Fault::kTransport, uint32_t(wc[i].wr_id >> 1), uint32_t(wc[i].status));
+          fault = encode_fault(Fault::kTransport, uint32_t(peer), uint32_t(wc[i].status));
       }
     }
     return fault;
@@ -646,7 +726,8 @@ class IbverbsWire final : public Wire {
 
   uint32_t first_peer_on(const Device& d) const {
     for (int p = 0; p < world_; ++p)
-      if (links_[p].device >= 0 && &devices_[links_[p].device] == &d) return uint32_t(p);
+      for (const Rail& r : links_[p].rails)
+        if (r.device >= 0 && &devices_[r.device] == &d) return uint32_t(p);
     return 0;
   }
 
@@ -661,7 +742,8 @@ class IbverbsWire final : public Wire {
   void release() noexcept {
     const Verbs& v = verbs();
     for (PeerLink& l : links_)
-      if (l.qp != nullptr) v.destroy_qp(l.qp), l.qp = nullptr;
+      for (Rail& r : l.rails)
+        if (r.qp != nullptr) v.destroy_qp(r.qp), r.qp = nullptr;
     for (Device& d : devices_) {
       if (d.region_mr != nullptr) v.dereg_mr(d.region_mr);
       if (d.send_mr != nullptr) v.dereg_mr(d.send_mr);
@@ -688,8 +770,8 @@ class IbverbsWire final : public Wire {
 
 const bool kWithIbverbs = true;
 
-std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths,
-                                        Signal signal) {
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout,
+                                        const std::vector<std::vector<IbPath>>& paths, Signal signal) {
   return std::make_unique<IbverbsWire>(rank, layout, paths, signal);
 }
 

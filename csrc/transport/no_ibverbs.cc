@@ -7,7 +7,7 @@ namespace rocenante {
 
 const bool kWithIbverbs = false;
 
-std::unique_ptr<Wire> make_ibverbs_wire(int, const RegionLayout&, const std::vector<IbPath>&, Signal) {
+std::unique_ptr<Wire> make_ibverbs_wire(int, const RegionLayout&, const std::vector<std::vector<IbPath>>&, Signal) {
   ROCENANTE_THROW(InvalidArgument, "rocenante was built without rdma-core's headers (infiniband/verbs.h): RDMA is "
                                    "unavailable; install libibverbs-dev and rebuild");
 }

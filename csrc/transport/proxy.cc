@@ -10,7 +10,7 @@
 //            (transport.h; ibverbs.cc says why no stale write can follow), and delivered() until true reports
 //            them all landed.
 //   receive: p's delivery of e_p is seen, by its flag reading e_p (kFlag: the reducer reads the same flag, the
-//            proxy only follows), or by arrived(p) (kCompletion: then arrived[e_p % 3][p] = e_p, release, for the
+//            proxy only follows), or by arrived(p) (kCompletion: then arrived[e_p % 3][p][*] = e_p, release, for the
 //            reducer, and consume(p)); e_p moves on to the next epoch (every call is delivered to every peer once,
 //            so p's n-th delivery is its n-th call's).
 //   liveness: every kProbeInterval while the reducer's current call waits for a peer's delivery, probe(p)
@@ -62,7 +62,8 @@ class Proxy final : public Transport {
     mailbox_ = new (page) Mailbox{};
     for (uint64_t& r : mailbox_->ring) r = ring_word(0, kNoEpoch);
     for (auto& per_buffer : mailbox_->arrived)
-      for (uint32_t& e : per_buffer) e = kNoEpoch;
+      for (auto& per_source : per_buffer)
+        for (uint32_t& e : per_source) e = kNoEpoch;
     try {
       region_ = wire_->local_region();
       image_ = wire_->peer_region(rank == 0 ? 1 : 0);
@@ -78,7 +79,7 @@ class Proxy final : public Transport {
         mappings_[2] = map_host(mailbox_, sizeof(Mailbox), address);
         mapped_mailbox_ = static_cast<Mailbox*>(address);
       }
-      arrivals_ = wire_->signal_mode() == Signal::kCompletion ? &mapped_mailbox_->arrived[0][0] : arrival_flags(region_);
+      arrivals_ = wire_->signal_mode() == Signal::kCompletion ? &mapped_mailbox_->arrived[0][0][0] : arrival_flags(region_);
     } catch (...) {
       release();
       throw;
@@ -161,11 +162,13 @@ class Proxy final : public Transport {
           if (p == rank_ || closed[p]) continue;
           uint64_t failed = 0;
           bool arrived = wire_->arrived(p, failed);  // kFlag: only a failure, read before the flag (transport.h)
-          const uint32_t* flag = flags_ + buffer_of(receive[p]) * kMaxRanks + p;
-          if (!completion) arrived = __atomic_load_n(flag, __ATOMIC_ACQUIRE) == receive[p];
+          if (!completion)
+            arrived = arrived_whole(flags_ + arrival_index(buffer_of(receive[p]), p), receive[p],
+                                    [](const uint32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); });
           if (arrived) {
             if (completion) {
-              __atomic_store_n(&mailbox_->arrived[buffer_of(receive[p])][p], receive[p], __ATOMIC_RELEASE);
+              for (uint32_t& word : mailbox_->arrived[buffer_of(receive[p])][p])
+                __atomic_store_n(&word, receive[p], __ATOMIC_RELEASE);
               wire_->consume(p);
             }
             note(timeline_, receive[p], kProxyArrival);
@@ -206,7 +209,7 @@ class Proxy final : public Transport {
         if (fault != 0) {
           tell(rank_, fault);
           for (int p = 0; p < world; ++p)
-            if (p != rank_ && !closed[p]) tell(p, abort_from(fault, send));
+            if (p != rank_ && !closed[p]) tell(p, abort_from(fault, send, rank_));
           return;
         }
       }

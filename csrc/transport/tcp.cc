@@ -10,9 +10,9 @@
 //   write   bytes [offset, offset + bytes) of s's image, for the same offset of r's region: read whole and
 //           kept until the round's signal;
 //   signal  seq = s's count of signals to r before this one; r checks it, places the round's writes, acks.
-//           With Signal::kFlag it carries the flag (4 bytes for flag[b][s], transport.h), which r stores
-//           after placing the round, as one RC queue pair would place a write posted after the data (with
-//           kFlagFirst, a test's mutation, before);
+//           With Signal::kFlag it carries the flag (4 bytes for flag[b][s], transport.h), which r stores into
+//           every rail's word of flag[b][s] (a TCP connection is one rail) after placing the round, as one RC
+//           queue pair would place a write posted after the data (with kFlagFirst, a test's mutation, before);
 //   abort   the 16-byte abort slot {word, check} for abort[s] of r's region (layout.h, Abort words), placed as
 //           four 4-byte quarters in random order with a pause between them, so that a reader which decoded a
 //           word before its slot is whole meets torn ones;
@@ -562,13 +562,16 @@ class TcpWire final : public Wire {
         } else if (h.kind == kSignal) {
           uint32_t flag = 0;
           if (h.bytes != 0 && !read_all(q.in, &flag, sizeof(flag))) break;
-          uint32_t* flag_word = local_region() + h.offset / sizeof(uint32_t);
+          uint32_t* const flag_words = local_region() + h.offset / sizeof(uint32_t);
+          const auto store_flag = [&] {
+            for (int k = 0; k < kMaxRails; ++k) __atomic_store_n(flag_words + k, flag, __ATOMIC_RELEASE);
+          };
           if (signal_ == Signal::kFlagFirst) {
-            __atomic_store_n(flag_word, flag, __ATOMIC_RELEASE);
+            store_flag();
             std::this_thread::sleep_for(kFlagFirstPause);
           }
           place(words, segments, rng);
-          if (signal_ == Signal::kFlag) __atomic_store_n(flag_word, flag, __ATOMIC_RELEASE);
+          if (signal_ == Signal::kFlag) store_flag();
           ++expected;
           const Ack ack = h.seq;
           const bool acked = write_all(q.in, &ack, sizeof(ack));

@@ -161,11 +161,12 @@ std::unique_ptr<Transport> make_cuda_ipc_transport(int rank, int device, const R
 // Tests only: the CUDA IPC transport's post_abort() holds its staging slot, written, for `seconds` before its copies
 // are queued, so that posts from two threads overlap (Communicator::test_post_aborts_at_once()).
 void hold_abort_staging(double seconds);
-// Other hosts (or ROCENANTE_NET=ib): one RC queue pair per peer over RoCE v2, paths[p] for peer p (paths[rank]
-// unused); the region and image are host memory. Throws InvalidArgument when rocenante was built without
-// rdma-core's headers, Error when libibverbs.so.1 cannot be loaded or a device, port or GID is unusable.
-std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout, const std::vector<IbPath>& paths,
-                                        Signal signal);
+// Other hosts (or ROCENANTE_NET=ib): RC queue pairs over RoCE v2, one per rail of paths[p] for peer p (1 to
+// kMaxRails, the two ends of a pair listing as many; paths[rank] unused); the region and image are host memory.
+// Throws InvalidArgument when rocenante was built without rdma-core's headers, Error when libibverbs.so.1 cannot
+// be loaded or a device, port or GID is unusable.
+std::unique_ptr<Wire> make_ibverbs_wire(int rank, const RegionLayout& layout,
+                                        const std::vector<std::vector<IbPath>>& paths, Signal signal);
 // ROCENANTE_NET=tcp, a test vehicle: every peer through TCP over loopback, as if it were on another host. Each
 // delivery's segments are placed in random order, 16-bit half by half, so that a format relying on placement
 // order or word atomicity fails its tests. The region and image are host memory.

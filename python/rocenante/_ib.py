@@ -185,6 +185,9 @@ class Path:
     gid_index: int
     gid: str
     why: str
+    # Further rails to the same peer, each a path of its own (one queue pair each): a call's data to the peer is
+    # striped over this path and them from a size on (csrc/transport/ibverbs.cc, kStripeFromBytes).
+    rails: tuple = ()
 
 
 def _gid_for(port: Port, gid_index: Optional[int], gid_source: str, peers: str) -> tuple[int, str, str]:
@@ -222,10 +225,10 @@ _MAX_PORTS = 64  # ports a peer may publish: more is hostile
 
 def choose_paths(rank: int, world: int, ports: list[Port], hca: Optional[HcaSpec], gid_index: Optional[int],
                  gid_source: str = "ROCENANTE_IB_GID_INDEX", exchange: Optional[Exchange] = None,
-                 table: Optional[list[Route]] = None) -> list[Optional[Path]]:
-    """The path to each peer (None at this rank's own position), by the rules above. Without `exchange` every peer
-    is taken to have this rank's ports (one host). Raises RdmaSetupError naming the device and the peers it would
-    serve, or the ranks no route joins, when the configuration cannot work."""
+                 table: Optional[list[Route]] = None, max_rails: int = _C.layout.max_rails) -> list[Optional[Path]]:
+    """The path to each peer (None at this rank's own position), with up to `max_rails` rails, by the rules above.
+    Without `exchange` every peer is taken to have this rank's ports (one host). Raises RdmaSetupError naming the
+    device and the peers it would serve, or the ranks no route joins, when the configuration cannot work."""
     peers = [p for p in range(world) if p != rank]
     candidates, why = _candidates(ports, hca, peers)
     usable = []
@@ -273,14 +276,22 @@ def choose_paths(rank: int, world: int, ports: list[Port], hca: Optional[HcaSpec
     paths: list[Optional[Path]] = [None] * world
     for p in peers:
         rails = _rails(sorted(pair if rank < p else pair[::-1] for pair in pairs[p]))
-        rail = rails[(rank + p) % len(rails)]
-        i = rail[0] if rank < p else rail[1]
-        port, index, gid, gid_why = usable[i]
-        how = (f"reaches rank {p}'s {everyone[p][rail[1] if rank < p else rail[0]][2]} through {netdevs[i]} by the "
-               "kernel's routes" if routed else "every port taken to reach every peer (no IPv4 routing facts)")
-        spread = f"; rail {(rank + p) % len(rails) + 1} of {len(rails)} by (rank + peer) mod {len(rails)}" \
-            if len(rails) > 1 else ""
-        paths[p] = Path(port.device, port.port, index, gid, f"{why}; {gid_why}; {how}{spread}")
+        first = (rank + p) % len(rails)  # both ends compute the same order
+        chosen = []
+        for rail in (rails[first:] + rails[:first])[:max_rails]:
+            i = rail[0] if rank < p else rail[1]
+            port, index, gid, gid_why = usable[i]
+            how = (f"reaches rank {p}'s {everyone[p][rail[1] if rank < p else rail[0]][2]} through {netdevs[i]} by "
+                   "the kernel's routes" if routed else "every port taken to reach every peer (no IPv4 routing facts)")
+            chosen.append(Path(port.device, port.port, index, gid, f"{why}; {gid_why}; {how}"))
+        if len(chosen) > 1:
+            spread = f"; striped over {len(chosen)} rails"
+        elif len(rails) > 1:
+            spread = f"; rail {first + 1} of {len(rails)} by (rank + peer) mod {len(rails)}"
+        else:
+            spread = ""
+        paths[p] = Path(chosen[0].device, chosen[0].port, chosen[0].gid_index, chosen[0].gid, chosen[0].why + spread,
+                        tuple(chosen[1:]))
     return paths
 
 
@@ -350,11 +361,16 @@ _logged: set = set()
 def describe(rank: int, paths: list[Optional[Path]]) -> str:
     """One line per distinct path: what this rank uses and why."""
     lines = []
-    for target in dict.fromkeys((p.device, p.port, p.gid_index, p.gid, p.why) for p in paths if p is not None):
-        ranks = [r for r, p in enumerate(paths) if p is not None and (p.device, p.port, p.gid_index, p.gid, p.why) == target]
-        device, port, gid_index, gid, why = target
-        lines.append(f"rank {rank}: RDMA to {_peers(ranks)} over {device} port {port}, GID {gid_index} ({gid}): {why}")
+    for target in dict.fromkeys(_text(p) for p in paths if p is not None):
+        ranks = [r for r, p in enumerate(paths) if p is not None and _text(p) == target]
+        lines.append(f"rank {rank}: RDMA to {_peers(ranks)} over {target}")
     return "\n".join(lines)
+
+
+def _text(path: Path) -> str:
+    rails = "".join(f"; and rail {k + 2}, {r.device} port {r.port}, GID {r.gid_index} ({r.gid}): {r.why}"
+                    for k, r in enumerate(path.rails))
+    return f"{path.device} port {path.port}, GID {path.gid_index} ({path.gid}): {path.why}{rails}"
 
 
 def log_once(rank: int, paths: list[Optional[Path]]) -> None:

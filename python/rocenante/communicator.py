@@ -208,16 +208,19 @@ class Communicator:
             on_fault = _C.OnFault.abort if _env.on_fault() == "abort" else _C.OnFault.raise_
             self.net = self._choose_net(store, prefix, _env.net() if net is None else _env.parse_net(net, "net"))
             paths, self.ib_paths = [], []
+            signal = getattr(_C.Signal, _env.ib_signal())
             if self.net == "ib":
                 gid_index, gid_source = _env.ib_gid_index()
+                # The completion signal tells of a delivery on one queue pair: it takes one rail (layout.h, Mailbox).
+                rails = 1 if signal == _C.Signal.completion else _C.layout.max_rails
                 chosen = _ib.choose_paths(rank, world_size, _ib.scan(), _env.ib_hca(), gid_index, gid_source or
                                           "ROCENANTE_IB_GID_INDEX", _exchange(store, prefix, rank, world_size,
-                                                                              self.timeout_s))
+                                                                              self.timeout_s), max_rails=rails)
                 _ib.log_once(rank, chosen)
                 self.ib_paths = chosen
                 qos = _env.ib_qos()
-                paths = [(p.device, p.port, p.gid_index, *qos) if p is not None else ("", 0, 0, 0, 0) for p in chosen]
-            signal = getattr(_C.Signal, _env.ib_signal())
+                paths = [[(r.device, r.port, r.gid_index, *qos) for r in (p, *p.rails)] if p is not None else []
+                         for p in chosen]
             twoshot_from, self.two_shot_basis = _env.twoshot_from(self.device.type, world_size, self.net)
             self._c = _C.Communicator(rank, world_size, ordinal, self.capacity_bytes, self.timeout_s, on_fault,
                                       getattr(_C.Net, self.net), paths, _env.test_first_call(), _env.proxy_spin_s(),

@@ -26,7 +26,7 @@ CAPACITY = 4096
 CONFIG = _C.layout.config_bytes
 DEVICE, FIRST_CALL, SIGNAL, TWOSHOT, PID = CONFIG - 16, CONFIG - 12, CONFIG - 8, CONFIG - 4, CONFIG
 HEADER = _C.layout.handle_header_bytes
-OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC8"
+OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROC9"
 _names = itertools.count()
 
 
@@ -45,7 +45,7 @@ def pair():
 
 def _with_magic(handle: bytes, magic: bytes) -> bytes:
     assert handle[:4] == struct.pack("<I", _C.layout.config_magic)
-    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC8" travels as b"8COR"
+    return magic[::-1] + handle[4:]  # the magic is a little-endian word: "ROC9" travels as b"9COR"
 
 
 def _refused(me, theirs: bytes, words: str = "") -> str:

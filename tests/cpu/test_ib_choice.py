@@ -58,8 +58,16 @@ def test_default_picks_the_ipv4_roce_v2_gid_and_spreads_peers(tmp_path):
         if p != 1:
             other = _ib.choose_paths(p, 4, ports, None, None)[1]
             assert other.device == paths[p].device
-    assert "first RoCE v2 GID with an IPv4 address (10.0.0." in paths[0].why and "of 2 by (rank + peer) mod 2" in paths[0].why
+    # Each peer's data is striped over both functions, the first rail as above, the other second.
+    assert [p.rails[0].device for p in (paths[0], paths[2], paths[3])] == ["roceP2p1s0f0", "roceP2p1s0f0", "rocep1s0f0"]
+    assert "first RoCE v2 GID with an IPv4 address (10.0.0." in paths[0].why and "striped over 2 rails" in paths[0].why
     assert "RDMA to ranks 0, 2 over rocep1s0f0 port 1, GID 3" in _ib.describe(1, paths)
+    assert "; and rail 2, roceP2p1s0f0 port 1, GID 3" in _ib.describe(1, paths)
+    # The completion signal takes one rail: the peers spread over the functions by (rank + peer) mod 2.
+    one = _ib.choose_paths(1, 4, ports, None, None, max_rails=1)
+    assert [(p.device, p.rails) for p in (one[0], one[2], one[3])] == [
+        ("rocep1s0f0", ()), ("rocep1s0f0", ()), ("roceP2p1s0f0", ())]
+    assert "rail 2 of 2 by (rank + peer) mod 2" in one[0].why
 
 
 def test_a_port_that_is_down_is_skipped_with_a_warning_even_when_listed(tmp_path, capfd):
@@ -174,24 +182,26 @@ def _choose_everywhere(tmp_path, hosts, hca=None):
     return results
 
 
-def _devices(results):
-    return [[p.device if p else None for p in paths] for paths in results]
+def _rails(results):
+    """Each rank's rails to each peer, as device names joined by '+' (the first rail first)."""
+    return [["+".join(r.device for r in (p, *p.rails)) if p else None for p in paths] for paths in results]
 
 
 @pytest.mark.parametrize("topology, want", [
-    ("switch", [[None, "rxe1", "rxe0"], ["rxe1", None, "rxe1"], ["rxe0", "rxe1", None]]),  # two rails, spread
-    ("direct", [[None, "rxe1"], ["rxe1", None]]),  # two rails; one taken at world 2 (striping: later)
+    # Two rails to every peer, striped, the first spread by (rank + peer) mod 2.
+    ("switch", [[None, "rxe1+rxe0", "rxe0+rxe1"], ["rxe1+rxe0", None, "rxe1+rxe0"], ["rxe0+rxe1", "rxe1+rxe0", None]]),
+    ("direct", [[None, "rxe1+rxe0"], ["rxe1+rxe0", None]]),  # the two functions of the cable, striped
     ("mesh3", [[None, "rxe0", "rxe1"], ["rxe0", None, "rxe1"], ["rxe0", "rxe1", None]]),  # the cable to each peer
     ("ring4-forwarded", [[None, "rxe1", "rxe0", "rxe0"], ["rxe0", None, "rxe1", "rxe0"],
                          ["rxe0", "rxe0", None, "rxe1"], ["rxe1", "rxe0", "rxe0", None]]),
 ])
 def test_each_peer_goes_by_the_route_that_reaches_it(tmp_path, topology, want):
     results = _choose_everywhere(tmp_path, TOPOLOGIES[topology])
-    assert _devices(results) == want, results
+    assert _rails(results) == want, results
     for rank, paths in enumerate(results):
         for p, path in enumerate(paths):
-            if path is not None:
-                assert "by the kernel's routes" in path.why and path.gid_index == 1, path.why
+            for rail in (path, *path.rails) if path is not None else ():
+                assert "by the kernel's routes" in rail.why and rail.gid_index == 1, rail.why
 
 
 def test_ring4_unrouted_fails_on_every_rank_naming_the_diagonals(tmp_path):
@@ -204,7 +214,7 @@ def test_ring4_unrouted_fails_on_every_rank_naming_the_diagonals(tmp_path):
 def test_the_hca_list_limits_the_routes(tmp_path):
     # direct, only the second function listed: both ends take it.
     hca = _ib.parse_hca("rxe1", "ROCENANTE_IB_HCA")
-    assert _devices(_choose_everywhere(tmp_path, TOPOLOGIES["direct"], hca)) == [[None, "rxe1"], ["rxe1", None]]
+    assert _rails(_choose_everywhere(tmp_path, TOPOLOGIES["direct"], hca)) == [[None, "rxe1"], ["rxe1", None]]
     # mesh3 with one device listed reaches one peer only.
     got = _choose_everywhere(tmp_path / "mesh", TOPOLOGIES["mesh3"], hca)
     assert all(isinstance(g, str) and g.startswith("no RDMA route between ranks 0 and 1") for g in got), got

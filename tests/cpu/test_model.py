@@ -133,5 +133,21 @@ def test_committed_results_are_what_the_model_computes(tmp_path):
     fresh = json.loads((tmp_path / "m.json").read_text())
     with open(os.path.join(ROOT, "benchmarks", "results", "scaling-model.json")) as f:
         committed = json.load(f)
-    for key in ("profiles", "latency_us", "all_gather_reduce_scatter_latency_us", "crossover_bytes", "decode"):
+    for key in ("profiles", "latency_us", "all_gather_reduce_scatter_latency_us", "rails_latency_us",
+                "crossover_bytes", "decode"):
         assert _to_12_digits(fresh[key]) == _to_12_digits(committed[key]), key
+
+
+def test_rails_halve_the_bandwidth_term_and_nothing_else():
+    roce = allreduce.PROFILES["dgx-spark-roce"]
+    one, two = allreduce.rails(roce, 1), allreduce.rails(roce, 2)
+    assert two.bandwidth_Bps == roce.bandwidth_Bps and one.bandwidth_Bps == roce.bandwidth_Bps / 2
+    for n in (2, 4, 8):
+        fixed = allreduce.one_shot(roce, n, 0.0)
+        for size in (1024, 1 << 20, 16 << 20):
+            t1, t2 = allreduce.one_shot(one, n, size), allreduce.one_shot(two, n, size)
+            assert t1 - fixed == pytest.approx(2 * (t2 - fixed))  # the bytes' time doubles, the fixed costs stay
+    assert allreduce.one_shot(one, 4, 16 << 20) / allreduce.one_shot(two, 4, 16 << 20) > 1.9
+    assert allreduce.one_shot(one, 4, 1024) / allreduce.one_shot(two, 4, 1024) < 1.02
+    with pytest.raises(ValueError):
+        allreduce.rails(roce, 3)

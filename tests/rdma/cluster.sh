@@ -34,6 +34,8 @@
 #   CLUSTER_PEERS     "rxeI:rank:ip ..." every node reachable over a link of this node, and its address there
 #   CLUSTER_ALL_IPS   "rank:ip ..." every data address of every node
 #   CLUSTER_OUT       this node's private writable dir, kept as DIR/nodeK/out on the host
+#   CLUSTER_RC        where the node's exit code goes: a command that powers its own node off on purpose (a host
+#                     gone: echo o > /proc/sysrq-trigger) writes its verdict there first
 #   plus the host's environment (as rxe_vm.sh passes it); hostname nodeK.
 #
 # Shared: only the host's root file system, read-only over 9p (the cwd is there too, read-only: write to /tmp,
@@ -53,7 +55,7 @@ WORKDIR=${RXE_VM_WORKDIR:-/tmp/softroce}
 VERBOSE=${CLUSTER_VERBOSE:-0}
 log() { if [ "$VERBOSE" = 1 ]; then echo "[cluster] $*" >&2; fi; }
 die() { echo "[cluster] ERROR: $*" >&2; exit 125; }
-usage() { sed -n '2,47p' "$0" >&2; exit 2; }
+usage() { sed -n '2,49p' "$0" >&2; exit 2; }
 
 TOPO=switch NODES= FORWARD=0 TIMEOUT=1800 GRACE=60 MEM=1536 MPORT=29500 LOGDIR=
 while [ $# -gt 0 ]; do

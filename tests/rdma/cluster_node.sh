@@ -74,7 +74,7 @@ ulimit -l unlimited 2>/dev/null
 ulimit -n 65536 2>/dev/null
 set -a; . $C/env.sh 2>/dev/null; set +a
 . $C/vars.sh
-export CLUSTER_GID_INDEX="$GIDS" CLUSTER_OUT=$C/out HOSTNAME="node$NODE_RANK" HOME=${HOME:-/root} PWD=$HOST_PWD
+export CLUSTER_GID_INDEX="$GIDS" CLUSTER_OUT=$C/out CLUSTER_RC=$C/rc HOSTNAME="node$NODE_RANK" HOME=${HOME:-/root} PWD=$HOST_PWD
 mkdir -p $C/out
 cd "$HOST_PWD" 2>/dev/null || cd /
 stty -F /dev/ttyS1 raw -echo 2>/dev/null

@@ -2,12 +2,12 @@
 it publishes its ports through rocenante's own exchange (communicator._exchange: the route choice is _ib's), a
 handle in rocenante's format, RDMA-writes its call word and data into rank 0's region, signals
 them, and reads what rank 0 wrote into its own region once rank 0's signal arrived. The signal, as
-ROCENANTE_IB_SIGNAL says: "flag" (default), a 4-byte RDMA WRITE of the call's number into the receiver's
-flag word for this buffer and sender, after the data on the same queue pair, which the receiver polls in its
-memory; "completion", a zero-length RDMA WRITE WITH IMMEDIATE carrying the sender's signal count. Every offset
+ROCENANTE_IB_SIGNAL says: "flag" (default), an 8-byte RDMA WRITE of the call's number into both rail words of
+the receiver's flag for this buffer and sender (one rail: ROCENANTE_IB_HCA lists one device), after the data on the
+same queue pair, which the receiver polls in its memory; "completion", a zero-length RDMA WRITE WITH IMMEDIATE carrying the sender's signal count. Every offset
 and format of the region and the wire below is derived here from what csrc/layout.h and
 csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's code
-(protocol ROC8: abort words, the flags' line, then each buffer's call words on a 128-byte line of their own), so
+(protocol ROC9: abort words, the flags' two lines, then each buffer's call words on a 128-byte line of their own), so
 this checks the wire layout and the signalling against rdma-core's binding; only the handle's framing (the
 core's magics and header sizes) comes from rocenante._C.layout."""
 
@@ -30,7 +30,8 @@ from rocenante import _C, _env, _ib
 from rocenante.communicator import _exchange
 
 WORLD, CAPACITY, COUNT, NAME = 2, 1 << 12, 100, "pyverbs-peer"
-HEADER, FLAGS, CALL_WORDS, LINE, BUFFERS, MAX_RANKS = 1024, 128, 256, 128, 3, 8
+HEADER, FLAGS, CALL_WORDS, LINE, BUFFERS, MAX_RANKS, RAILS = 1024, 128, 384, 128, 3, 8, 2
+ENDPOINT = 40  # bytes: GID, queue pair, PSN, address, key, MTU (a handle holds RAILS per rank)
 EMPTY, NO_EPOCH = 0x80000000, 0xFFFFFFFF
 REGION = HEADER + BUFFERS * (WORLD - 1) * CAPACITY
 EPOCH = 1  # the communicator's first call
@@ -42,7 +43,7 @@ def call_word_offset(buffer: int, source: int) -> int:
 
 
 def flag_offset(buffer: int, source: int) -> int:
-    return FLAGS + (buffer * MAX_RANKS + source) * 4
+    return FLAGS + (buffer * MAX_RANKS + source) * RAILS * 4
 
 
 def area_offset(buffer: int, receiver: int, source: int) -> int:
@@ -90,7 +91,7 @@ def _pyverbs_rank(store, mtu_drop, signal):
     scq, rcq = CQ(ctx, 8), CQ(ctx, 8)
     qp = QP(pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=scq, rcq=rcq, cap=QPCap(max_send_wr=4, max_recv_wr=4)))
     region = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-    region.write(bytes(FLAGS) + struct.pack("<32I", *[NO_EPOCH] * 32) +
+    region.write(bytes(FLAGS) + struct.pack(f"<{(CALL_WORDS - FLAGS) // 4}I", *[NO_EPOCH] * ((CALL_WORDS - FLAGS) // 4)) +
                  struct.pack(f"<{(REGION - CALL_WORDS) // 4}I", *[EMPTY] * ((REGION - CALL_WORDS) // 4)), REGION, 0)
     send = MR(pd, REGION, e.IBV_ACCESS_LOCAL_WRITE)
     port = ctx.query_port(path.port)
@@ -104,15 +105,18 @@ def _pyverbs_rank(store, mtu_drop, signal):
     assert (len(config), len(config + identity)) == (_C.layout.config_bytes, _C.layout.handle_header_bytes)
     gid = bytes.fromhex(path.gid.replace(":", ""))
     endpoint = gid + struct.pack("<IIQII", qp.qp_num, psn, region.buf, region.rkey, mtu_code)
-    # Entry q of a handle is what rank q needs: ours for rank 0, then an unused one for ourselves.
+    # Entries [q][k] of a handle are what rank q needs for rail k: ours for rank 0's first rail, the rest unused.
     rdma = struct.pack("<IIQ", _C.layout.rdma_handle_magic, WORLD, REGION)
-    handle = config + identity + rdma + endpoint + bytes(len(endpoint))
+    assert len(endpoint) == ENDPOINT and _C.layout.max_rails == RAILS
+    handle = config + identity + rdma + endpoint + bytes((WORLD * RAILS - 1) * ENDPOINT)
     store.set(f"{prefix}/handle/1", handle)
     _wait(store, [f"{prefix}/handle/0"], "rank 0's handle")
     theirs = store.get(f"{prefix}/handle/0")[_C.layout.handle_header_bytes:]
     assert struct.unpack_from("<IIQ", theirs) == (_C.layout.rdma_handle_magic, WORLD, REGION), \
         "rank 0's RDMA handle header"
-    dgid, (qpn, their_psn, addr, rkey, mtu) = theirs[16 + 40:16 + 56], struct.unpack_from("<IIQII", theirs, 16 + 56)
+    ours = 16 + RAILS * ENDPOINT  # entry [1][0]: rank 0's first rail to us
+    dgid, (qpn, their_psn, addr, rkey, mtu) = theirs[ours:ours + 16], struct.unpack_from("<IIQII", theirs, ours + 16)
+    assert not any(theirs[ours + ENDPOINT:ours + RAILS * ENDPOINT]), "rank 0 offers a second rail to us"
 
     attr = QPAttr(qp_state=e.IBV_QPS_INIT)
     attr.qp_access_flags = e.IBV_ACCESS_REMOTE_WRITE
@@ -158,9 +162,9 @@ def _pyverbs_rank(store, mtu_drop, signal):
     send.write(payload, len(payload), area_offset(BUFFER, 0, 1))
     write(call_word_offset(BUFFER, 1), 4)
     write(area_offset(BUFFER, 0, 1), len(payload))
-    if signal == "flag":  # after the data, on the same queue pair
-        send.write(struct.pack("<I", EPOCH), 4, flag_offset(BUFFER, 1))
-        write(flag_offset(BUFFER, 1), 4)
+    if signal == "flag":  # after the data, on the same queue pair: every rail's word, as one rail carried it all
+        send.write(struct.pack(f"<{RAILS}I", *[EPOCH] * RAILS), 4 * RAILS, flag_offset(BUFFER, 1))
+        write(flag_offset(BUFFER, 1), 4 * RAILS)
     else:
         imm = SendWR(opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(send.buf, 0, send.lkey)],
                      imm_data=socket.htonl(0), send_flags=e.IBV_SEND_SIGNALED)  # zero bytes; our first signal
@@ -170,7 +174,7 @@ def _pyverbs_rank(store, mtu_drop, signal):
     # Rank 0's signal, then its call word and data in our region.
     while True:
         if signal == "flag":
-            if struct.unpack("<I", region.read(4, flag_offset(BUFFER, 0)))[0] == EPOCH:
+            if struct.unpack(f"<{RAILS}I", region.read(4 * RAILS, flag_offset(BUFFER, 0))) == (EPOCH,) * RAILS:
                 break
         else:
             n, wcs = rcq.poll()
@@ -212,9 +216,10 @@ def _rank(store, rank, world, mtu_drop, signal):
 
 @pytest.mark.parametrize("mtu_drop, signal", [(0, "flag"), (1, "flag"), (0, "completion")],
                          ids=["same-mtu", "peer-mtu-smaller", "completion-signal"])
-def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout(mtu_drop, signal):
+def test_an_independent_pyverbs_peer_agrees_on_the_wire_layout(mtu_drop, signal, monkeypatch):
     if not os.path.isdir("/usr/lib/python3/dist-packages/pyverbs"):
         pytest.skip("needs the system's pyverbs (apt install python3-pyverbs)")
+    monkeypatch.setenv("ROCENANTE_IB_HCA", "rxe0")  # one rail: this peer does not stripe (inherited at the fork)
     (ours, log), (call_ok, data_ok) = expect_ok(run_ranks(WORLD, _rank, mtu_drop, signal, timeout=300, context="fork"))
     assert ours, "rank 0's result is not its input plus the pyverbs peer's"
     assert call_ok, "the call word rank 0 wrote into the pyverbs peer's region is not the one layout.h defines"

@@ -272,14 +272,58 @@ def test_device_and_gid_settings_give_the_documented_outcome():
             assert want in got, f"rank {rank}, {env}: {got}"
 
 
-def test_two_devices_spread_peers_by_rank_plus_peer():
+def test_two_devices_stripe_every_peer_starting_by_rank_plus_peer():
     ports = [p for p in _ib.scan() if p.state == "ACTIVE" and p.link_layer == "Ethernet"]
     if len(ports) < 2:
         pytest.skip("needs two ACTIVE RoCE ports (run_in_vm.sh adds rxe1 on dummy1)")
     gid_index, source = _env.ib_gid_index()
     paths = _ib.choose_paths(0, 3, ports, None, gid_index, source)
-    assert [(p.device, p.port) for p in paths[1:]] == [(ports[1].device, ports[1].port), (ports[0].device, ports[0].port)]
-    assert "of 2 by (rank + peer) mod 2" in paths[1].why
+    assert [[r.device for r in (p, *p.rails)] for p in paths[1:]] == [[ports[1].device, ports[0].device],
+                                                                    [ports[0].device, ports[1].device]]
+    assert "striped over 2 rails" in paths[1].why
+
+
+def _sent_packets() -> dict:
+    """Packets each ACTIVE RDMA device has sent (SoftRoCE's hw_counters), by device."""
+    counts = {}
+    for p in _ib.scan():
+        if p.state == "ACTIVE":
+            with open(f"/sys/class/infiniband/{p.device}/ports/{p.port}/hw_counters/sent_pkts") as f:
+                counts[p.device] = int(f.read())
+    return counts
+
+
+def _striped(store, rank, world):
+    """Each rail's packets over 10 all-reduces of 64 KiB (striped), then of 400 bytes (the first rail), both
+    ranks' calls inside each window: (the rails to the peer, [large deltas, small deltas])."""
+    comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
+    path = comm.ib_paths[1 - rank]
+    rails = [r.device for r in (path, *path.rails)]
+    deltas = []
+    for numel in (CAPACITY // 4, 100):
+        all_arrived(store, world, f"before {numel}")
+        before = _sent_packets()
+        for i in range(10):
+            inputs = [make_input(3, i, r, numel, torch.float32) for r in range(world)]
+            out = poison(torch.empty(numel))
+            comm.all_reduce(inputs[rank], out=out)
+            assert torch.equal(out, sequential_fp32(inputs, "sum")), f"call {i} of {numel} floats"
+        all_arrived(store, world, f"after {numel}")
+        after = _sent_packets()
+        deltas.append([after[d] - before[d] for d in rails])
+    comm.close()
+    return rails, deltas
+
+
+def test_large_calls_are_striped_over_both_devices_and_small_ones_take_the_first():
+    if len([p for p in _ib.scan() if p.state == "ACTIVE" and p.link_layer == "Ethernet"]) < 2:
+        pytest.skip("needs two ACTIVE RoCE ports (run_in_vm.sh adds rxe1 on dummy1)")
+    (rails, (large, small)), (other, _) = expect_ok(run(2, _striped))
+    assert len(rails) == 2 and rails == other, (rails, other)
+    # Both ranks share the machine's devices: 10 calls x 2 ranks x 64 KiB, half on each rail, 1 KiB a packet.
+    half = 10 * 2 * CAPACITY // 2 // 1024
+    assert min(large) >= 0.8 * half, f"64 KiB calls: packets per rail {large}, want about {half} each"
+    assert small[1] <= max(10, small[0] // 4), f"400-byte calls: packets per rail {small}: the second carried data"
 
 
 def _rdma_resources() -> dict:

@@ -49,6 +49,9 @@ def build(profiles) -> dict:
                               "overhead_us": p.overhead_s * 1e6, "source": p.source} for p in profiles.values()},
         "latency_us": _latencies(arms),
         "all_gather_reduce_scatter_latency_us": _latencies(shard_arms),
+        "rails_latency_us": _latencies({f"one-shot {k} rail{'s' if k > 1 else ''}": (allreduce.one_shot,
+                                                                                   allreduce.rails(roce, k))
+                                        for k in (1, 2)}),
         "crossover_bytes": [{"nodes": n, **{f"one-shot/{b}": _bytes(allreduce.crossover(roce, n, allreduce.one_shot,
                                                                                            allreduce.ALGORITHMS[b]))
                                             for b in ("two-shot", "ring")}} for n in NODES],
@@ -80,6 +83,12 @@ def format_tables(r: dict) -> str:
         lines.append(f"\n{title}\n{'nodes':>5} {'bytes':>9} " + " ".join(f"{a:>15}" for a in arms) + "   (us)")
         for row in r[key]:
             lines.append(f"{row['nodes']:>5} {row['bytes']:>9} " + " ".join(f"{row[a]:>15.1f}" for a in arms))
+    lines.append("\nall-reduce one-shot over one rail or striped over a cable's two (modelled: "
+                 "python/rocenante/model/allreduce.py, Rails)")
+    lines.append(f"{'nodes':>5} {'bytes':>9} {'1 rail':>10} {'2 rails':>10} {'speed-up':>9}   (us)")
+    for row in r["rails_latency_us"]:
+        one, two = row["one-shot 1 rail"], row["one-shot 2 rails"]
+        lines.append(f"{row['nodes']:>5} {row['bytes']:>9} {one:>10.1f} {two:>10.1f} {one / two:>9.2f}")
     lines.append("\ncrossover (bytes above which the other is faster, dgx-spark-roce):")
     for c in r["crossover_bytes"]:
         kib = {k: "never" if v is None else f"{v / 1024:.0f} KiB" for k, v in c.items() if k != "nodes"}

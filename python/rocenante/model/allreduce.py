@@ -14,6 +14,11 @@ the algorithm: kernel, flags, reduction). A step costs overhead + alpha + bytes 
   The model counts injected bytes only: one-shot and ring all-gathers inject the same bytes, so one-shot, with one
   step's fixed cost instead of n-1, is ahead at every size (no crossover), where a real switch's incast may not be.
 
+Rails (rails()): a Spark's cable is two PCIe functions, each about half the port's bandwidth, and a peer's data
+striped over both (one queue pair per function) injects at the sum. The fitted one-shot profile ran the reference
+implementation, which stripes over both, so one rail is modelled as that profile at half its bandwidth, the same
+fixed costs; what a second stripe's post and flag cost beyond that is not known (modelled as nothing).
+
 Every rank must use the same parameters: if the model ever picks the algorithm at dispatch, the ranks agree on
 the profile at init (through the store), or they would run different protocols. Dispatch from the model waits
 for the RDMA transport; today it only predicts.
@@ -64,6 +69,14 @@ def two_shot(p: Profile, n: int, size: float) -> float:
 
 def ring(p: Profile, n: int, size: float) -> float:
     return 2 * shard_ring(p, n, size)
+
+
+def rails(p: Profile, used: int, of: int = 2) -> Profile:
+    """Profile `p`, measured striping over `of` rails, with `used` of them (module docstring, Rails)."""
+    if not 1 <= used <= of:
+        raise ValueError(f"{used} rails of {of}")
+    return Profile(f"{p.name}, {used} of {of} rails", p.alpha_s, p.bandwidth_Bps * used / of, p.overhead_s,
+                   f"{p.source}; bandwidth scaled by {used}/{of} (modelled)")
 
 
 ALGORITHMS = {"one-shot": one_shot, "two-shot": two_shot, "ring": ring}
