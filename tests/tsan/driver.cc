@@ -34,7 +34,7 @@ std::vector<std::unique_ptr<Communicator>> connect_world(Signal signal) {
   for (int r = 0; r < kWorld; ++r)
     threads.emplace_back([&, r] {
       comms[r] = std::make_unique<Communicator>(r, kWorld, -1, kCapacity, kTimeoutS, OnFault::kRaise, Net::kTcp,
-                                                std::vector<IbPath>{}, 1, 0.0, signal, 128 << 10);
+                                                std::vector<std::vector<IbPath>>{}, 1, 0.0, signal, 128 << 10);
       handles[r] = comms[r]->local_handle();
       sync.arrive_and_wait();
       comms[r]->connect(handles);

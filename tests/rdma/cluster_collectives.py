@@ -1,12 +1,13 @@
 """Runs on every node of the emulated cluster (tests/rdma/cluster.sh), one rank per node, under torchrun over the
 management network: builds a rocenante communicator with nothing forced (every peer on a host of its own, so
 RDMA, each by the route that reaches it), checks that each peer went through a device on a link that reaches it
-(CLUSTER_PEERS) or, without a link, through a forwarded route, and that all-reduces are exact (rank order, fp32
-accumulation), bitwise equal on every rank, in every dtype. `unrouted`: the setup must fail on every rank naming
-the pairs no route joins. Prints `cluster_allreduce: ok` and exits 0 when all held.
+(CLUSTER_PEERS) or, without a link, through a forwarded route, and that every collective is exact in every dtype
+and op, within a piece and across pieces: all-reduces and reduce-scatters against the rank-order fp32 result (and
+float64), all-gathers bit for bit on any bits, every rank's results bitwise equal. `unrouted`: the setup must fail on every rank naming
+the pairs no route joins. Prints `cluster_collectives: ok` and exits 0 when all held.
 
   torchrun --nnodes $NNODES --nproc-per-node 1 --node-rank $NODE_RANK --master-addr $MASTER_ADDR \\
-      --master-port $MASTER_PORT tests/rdma/cluster_allreduce.py [ok|unrouted]
+      --master-port $MASTER_PORT tests/rdma/cluster_collectives.py [ok|unrouted]
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import rocenante  # noqa: E402
-from reference import DTYPES, check_against_float64, digest, make_input, ops_for, poison, sequential_fp32  # noqa: E402
+from reference import (DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits,  # noqa: E402
+                       reduced, sequential_fp32)
 
 
 def linked_devices(peer: int) -> set:
@@ -40,19 +42,20 @@ def main() -> int:
         print(f"rank {rank}: setup failed: {err}", flush=True)
         # ring4 without forwarding: the diagonals, on every rank alike.
         ok = expect == "unrouted" and str(err).startswith("no RDMA route between ranks 0 and 2; ranks 1 and 3")
-        print(f"cluster_allreduce: {'ok' if ok else 'FAILED'}", flush=True)
+        print(f"cluster_collectives: {'ok' if ok else 'FAILED'}", flush=True)
         return 0 if ok else 1
     if expect == "unrouted":
-        print("cluster_allreduce: FAILED: the setup succeeded without routes", flush=True)
+        print("cluster_collectives: FAILED: the setup succeeded without routes", flush=True)
         return 1
     wrong = []
     if comm.net != "ib":
         wrong.append(f"net {comm.net!r}, not ib")
     for peer, path in enumerate(comm.ib_paths):
-        if path is not None and linked_devices(peer) and path.device not in linked_devices(peer):
-            wrong.append(f"reaches rank {peer} over {path.device}, not its link {sorted(linked_devices(peer))}")
-        elif path is not None:
-            print(f"rank {rank}: rank {peer} over {path.device}: {path.why}", flush=True)
+        for rail in (path, *path.rails) if path is not None else ():
+            if linked_devices(peer) and rail.device not in linked_devices(peer):
+                wrong.append(f"reaches rank {peer} over {rail.device}, not its link {sorted(linked_devices(peer))}")
+            else:
+                print(f"rank {rank}: rank {peer} over {rail.device}: {rail.why}", flush=True)
     seed = 11
     digests, case = [], 0
     for dtype in DTYPES:
@@ -66,6 +69,19 @@ def main() -> int:
                 check_against_float64(out, inputs, op)
                 digests.append(digest(out))
                 case += 1
+        for numel in (5, 3000, capacity // dtype.itemsize + 13):  # a shard's elements
+            shards = [random_bits(seed, case, r, numel, dtype) for r in range(world)]
+            out = comm.all_gather(shards[rank], out=poison(torch.empty(world * numel, dtype=dtype)))
+            if not torch.equal(bits(out), bits(torch.cat(shards))):
+                wrong.append(f"case {case}: all_gather {dtype} {numel}: not every bit")
+            digests.append(digest(out))
+            case += 1
+            for op in ops_for(dtype):
+                inputs = [make_input(seed, case, r, world * numel, dtype) for r in range(world)]
+                out = comm.reduce_scatter(inputs[rank], op=op, out=poison(torch.empty(numel, dtype=dtype)))
+                if not torch.equal(bits(out), bits(reduced(inputs, op)[rank * numel:(rank + 1) * numel])):
+                    wrong.append(f"case {case}: reduce_scatter {dtype} {op} {numel}: not the rank-order result")
+                case += 1
     everyone = [None] * world
     dist.all_gather_object(everyone, digests)
     if any(d != everyone[0] for d in everyone):
@@ -74,7 +90,7 @@ def main() -> int:
     dist.destroy_process_group()
     for line in wrong:
         print(f"rank {rank}: {line}", flush=True)
-    print(f"cluster_allreduce: {'ok' if not wrong else 'FAILED'} ({case} cases)", flush=True)
+    print(f"cluster_collectives: {'ok' if not wrong else 'FAILED'} ({case} cases)", flush=True)
     return 0 if not wrong else 1
 
 
