@@ -4,8 +4,8 @@ nodes, two links between them, as the two PCIe functions of a DGX Spark's port),
   1. each rank reaches its peer over both devices, the same two in the same order at both ends;
   2. every collective exact and bitwise equal on both ranks at sizes around the stripe size and across pieces;
   3. striping happened: over calls of 64 KiB both devices' sent-packet counters (rxe hw_counters) grow by at
-     least 40% of the packets the calls' data needs, and over calls of 400 bytes the second rail carries no more
-     than probes;
+     least 40% of the packets the calls' data needs, and over calls of 400 bytes the second rail carries fewer
+     than half the first's packets (probes, which go over every rail while a call waits);
   4. a rail taken down mid-run (node 1 downs its second rail's interface): every call either exact or an error
      naming the peer, within the bound, the failing call's output never part data (all poison).
 
@@ -128,7 +128,7 @@ def main() -> int:
         need = 20 * (16 << 10) * 4 // MTU  # this rank's packets of data over the 20 calls
         if min(large) < 0.4 * need:
             wrong.append(f"64 KiB calls: packets per rail {large}, want each at least {0.4 * need:.0f} of {need}")
-        if small[1] > max(10, small[0] // 4):
+        if small[1] >= small[0] // 2:  # probes go over every rail while a call waits (rdma.md, Faults)
             wrong.append(f"400-byte calls: packets per rail {small}: the second rail carried data")
         down = rail_down(comm, rank, world, rails)
         figures["rail_down"] = down
