@@ -38,8 +38,8 @@
 #                     gone: echo o > /proc/sysrq-trigger) writes its verdict there first
 #   plus the host's environment (as rxe_vm.sh passes it); hostname nodeK.
 #
-# Shared: only the host's root file system, read-only over 9p (the cwd is there too, read-only: write to /tmp,
-# a tmpfs, or $CLUSTER_OUT). Each node's control dir (DIR/nodeK, with CLUSTER_OUT) is its own; no directory is
+# Shared: only the host's root file system, read-only over 9p, and the cwd at its own path, read-only too (also
+# where the guests' tmpfs on /tmp would hide it: a clone under /tmp); write to /tmp, a tmpfs, or $CLUSTER_OUT. Each node's control dir (DIR/nodeK, with CLUSTER_OUT) is its own; no directory is
 # shared read-write between nodes, so nothing but the network joins them (no FileStore across nodes).
 # /etc /var /root /home are per-node overlays whose writes are discarded.
 #
@@ -142,6 +142,12 @@ for k in $(seq 0 $((N - 1))); do
   export -p | grep -v -E '^declare -[a-zA-Z]*x[a-zA-Z]* (BASH[A-Z_]*|SHELLOPTS|PPID|UID|EUID|SHLVL|OLDPWD|PWD|TERM|TMUX[A-Z_]*|SSH_[A-Z_]*|DISPLAY|XDG_RUNTIME_DIR|_)=' > "$D/env.sh" || true
   echo "OVERLAYS=\"${RXE_VM_OVERLAYS:-/etc /var /root /home}\"" > "$D/mounts.sh"
   : > "$D/rw.list"
+  CWDARGS=()
+  if [ "$HOST_PWD" != / ]; then  # vm_common.sh's init mounts it, also over the guest's /tmp tmpfs
+    printf 'cwd %s\n' "$HOST_PWD" > "$D/rw.list"
+    CWDARGS=(-fsdev "local,id=cwd,path=${HOST_PWD//,/,,},security_model=none,readonly=on,multidevs=remap"
+             -device "virtio-9p-pci,fsdev=cwd,mount_tag=cwd")
+  fi
   { echo "127.0.0.1 localhost"; for j in $(seq 0 $((N - 1))); do echo "$MGMT_NET.$((j + 1)) node$j"; done; } > "$D/hosts"
   mac() { printf '52:54:00:00:%02x:%02x' "$1" "$k"; }
   NETARGS=(-netdev "$(dgram m "$NET/m-n$k" "$NET/m-hub")"
@@ -190,7 +196,7 @@ EOF
     -device "virtio-9p-pci,fsdev=root,mount_tag=hostroot" \
     -fsdev "local,id=ctl,path=${D//,/,,},security_model=none" \
     -device "virtio-9p-pci,fsdev=ctl,mount_tag=rxevmctl" \
-    "${NETARGS[@]}" < /dev/null > "$D/qemu.log" 2>&1 &
+    "${CWDARGS[@]}" "${NETARGS[@]}" < /dev/null > "$D/qemu.log" 2>&1 &
   PIDS+=($!)
   touch "$D/cmd.log"
   tail -n +1 -F --pid=$! "$D/cmd.log" 2>/dev/null | sed -u "s/^/[node$k] /" &
