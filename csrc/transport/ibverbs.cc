@@ -665,6 +665,9 @@ class IbverbsWire final : public Wire {
 
   // A work request's id: the peer, the rail and whether it is signalled (the others are not counted).
   static uint64_t wr_id(int peer, int k, bool signalled) { return (uint64_t(peer) << 4) | (uint64_t(k) << 1) | signalled; }
+  static int wr_peer(uint64_t id) { return int(id >> 4); }
+  static int wr_rail(uint64_t id) { return int(id >> 1) & 7; }
+  static bool wr_signalled(uint64_t id) { return (id & 1) != 0; }
   static_assert(kMaxRails <= 8, "wr_id() holds the rail in 3 bits");
 
   // Posts the list `wr` on peer's rail `k`, its last request `signalled` (the others are not). A post the NIC
@@ -701,10 +704,10 @@ class IbverbsWire final : public Wire {
     for (int n; d.outstanding > 0 && (n = ibv_poll_cq(d.cq, 8, wc)) != 0;) {
       if (n < 0) return encode_fault(Fault::kTransport, first_peer_on(d), kPollFailed);
       for (int i = 0; i < n; ++i) {
-        const int peer = int(wc[i].wr_id >> 4);
-        if (wc[i].wr_id & 1) {
+        const int peer = wr_peer(wc[i].wr_id);
+        if (wr_signalled(wc[i].wr_id)) {
           --d.outstanding;
-          --links_[peer].rails[(wc[i].wr_id >> 1) & 7].in_flight;
+          --links_[peer].rails[wr_rail(wc[i].wr_id)].in_flight;
         }
         if (wc[i].status != IBV_WC_SUCCESS && fault == 0)
           fault = encode_fault(Fault::kTransport, uint32_t(peer), uint32_t(wc[i].status));
