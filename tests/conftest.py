@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _ranks_share_a_gpu(request, monkeypatch):
     """A GPU test with more ranks than this machine has GPUs runs them on shared GPUs (tests/support/gpus.py):
-    ROCENANTE_TEST_SHARED_GPU=1 for its ranks (inherited at spawn) lets startup's agreement accept that and makes
+    ROCENANTE_TEST_SHARED_GPU=1 for its ranks (every rank gets the environment: run_ranks) lets startup's agreement accept that and makes
     the backend's CUDA delegate gloo, since NCCL refuses two ranks on one device."""
     if request.node.get_closest_marker("gpu") is None:
         return
@@ -80,7 +80,7 @@ def _ranks_share_a_gpu(request, monkeypatch):
 
 @pytest.fixture(params=["", "tcp"], ids=["direct", "tcp"])
 def net(request, monkeypatch):
-    """The path a test's ranks take, as ROCENANTE_NET (inherited at spawn): "" peers on this host directly (shared
+    """The path a test's ranks take, as ROCENANTE_NET (every rank gets the environment: run_ranks): "" peers on this host directly (shared
     memory with CPU tensors, CUDA IPC with GPU tensors), "tcp" every peer through the TCP software wire on loopback
     (the network path). A test asking for `net` runs on both; @pytest.mark.parametrize("net", ..., indirect=True)
     picks its own."""

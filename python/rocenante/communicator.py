@@ -4,6 +4,7 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 from contextlib import nullcontext
@@ -249,7 +250,8 @@ class Communicator:
         setting, so all decide alike."""
         if self.world_size == 1:
             return "shm"
-        self._claim(store, f"{prefix}/host/{self.rank}", f"{_env.host_id()}|{forced}|{id(self)}")
+        # A random token, not id(self): processes forked from one parent build their objects at the same addresses.
+        self._claim(store, f"{prefix}/host/{self.rank}", f"{_env.host_id()}|{forced}|{secrets.token_hex(8)}")
         keys = [f"{prefix}/host/{r}" for r in range(self.world_size)]
         _wait_for_ranks(store, prefix, keys, self.world_size, self.timeout_s, "publish its host")
         hosts, nets = [], []

@@ -12,10 +12,33 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing import reduction
 
 
-def _entry(fn, rank, world, store_path, args, queue):
+class _ParentFd:
+    """The parent's fd, sent with a rank's start: a forkserver's children otherwise write to what the server's
+    stdout and stderr were when it started (an earlier test's capture), not to this test's."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _entry(fn, rank, world, store_path, args, queue, env, stdio):
     import faulthandler
+
+    os.environ.clear()  # the parent's environment now (a forkserver's is from when it started)
+    os.environ.update(env)
+    for fd, parents in zip((1, 2), stdio):
+        if parents != fd:
+            os.dup2(parents, fd)
+            os.close(parents)
 
     faulthandler.enable(all_threads=True)  # a crash in native code still says where it happened
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # and a hung rank, when the parent asks
@@ -28,22 +51,34 @@ def _entry(fn, rank, world, store_path, args, queue):
         queue.put((rank, "error", (type(err).__name__, str(err), traceback.format_exc())))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "spawn", clean_exit: bool = False) -> list:
+def _context(name: str):
+    """A forkserver imports torch once per test session and forks each rank from that: a spawned rank spent
+    2.5-5 s importing torch on CI's 2 cores, most of the CPU suite's time. The server starts no threads and
+    initialises no CUDA by importing torch, so its children begin as a spawned rank would."""
+    ctx = mp.get_context(name)
+    if name == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "forkserver", clean_exit: bool = False) -> list:
     """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
-    context="fork" skips the children's imports (in the SoftRoCE VM, importing torch takes a minute); only for
-    a parent that has started no threads and opened no RDMA device.
+    Each rank gets the parent's environment as it is at the call. context="fork" skips even the forkserver's start
+    (in the SoftRoCE VM, importing torch takes a minute); only for a parent that has started no threads and opened
+    no RDMA device.
 
     An exception on any rank is returned as ("error", type name, message, traceback) in that rank's place;
     processes still running after `timeout` seconds are killed and reported as ("hung",), and those that
     exited without reporting as ("died", exit code). With clean_exit, a process that reported but then did not
     exit with 0 (a crash or hang in the interpreter's shutdown) is reported as ("died at exit", exit code).
     """
-    ctx = mp.get_context(context)
+    ctx = _context(context)
+    stdio = (_ParentFd(1), _ParentFd(2)) if context == "forkserver" else (1, 2)
     queue = ctx.Queue()
     results: list = [("hung",)] * world
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue, dict(os.environ), stdio)) for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
