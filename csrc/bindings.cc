@@ -7,6 +7,7 @@
 
 #include "communicator.h"
 #include "errors.h"
+#include "transport/transport.h"
 
 namespace py = pybind11;
 using rocenante::Communicator;
@@ -60,6 +61,14 @@ PYBIND11_MODULE(_C, m) {
   Communicator::set_interrupt_check(python_signal_pending);
   m.def("_test_stop_after_push", &rocenante::stop_after_push, py::arg("push"), py::arg("kill"),
         "tests only: stop (SIGSTOP) or end (SIGKILL) this process right after its push-th CPU call's push");
+  m.def(
+      "_test_wire_block_bytes",
+      [](size_t region_bytes, size_t extra_bytes, size_t page_bytes) {
+        return page_bytes == 0 ? rocenante::WireBlock(region_bytes, extra_bytes).bytes()
+                               : rocenante::WireBlock(region_bytes, extra_bytes, page_bytes).bytes();
+      },
+      py::arg("region_bytes"), py::arg("extra_bytes"), py::arg("page_bytes"),
+      "tests only: the bytes a network wire maps for these sizes with this page size (0: the host's)");
   m.def("_test_skip_goodbyes", &rocenante::Communicator::skip_goodbyes, py::arg("skip"),
         "tests only: close() sends no goodbye from now on, as a host that vanished");
   m.def(

@@ -71,8 +71,12 @@ void run() {
   }
 }
 
+// Read through the main thread's entry, /proc/PID/task/PID/stat, whose field 22 on Linux is the process's: qemu-user
+// (aarch64 tests on x86, tests/aarch64) fakes /proc/self/stat and /proc/<own pid>/stat for the program it runs, with
+// a start time that no other process reads, and then every peer would look like a reused pid.
 uint64_t process_start_time(int64_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  const std::string id = std::to_string(pid);
+  std::ifstream f("/proc/" + id + "/task/" + id + "/stat");
   std::string stat;
   std::getline(f, stat);
   const size_t end_of_name = stat.rfind(')');  // the name may hold spaces and parentheses

@@ -26,7 +26,7 @@ struct Watchdog {
 };
 
 // Which process a rank is, so that its peers' watchdogs can see it end: the pid and the process's start time
-// (clock ticks since boot, /proc/PID/stat field 22), which tells a reused pid or another pid namespace apart.
+// (clock ticks since boot, field 22 of /proc/PID/stat), which tells a reused pid or another pid namespace apart.
 struct ProcessIdentity {
   int64_t pid;
   uint64_t start_time;

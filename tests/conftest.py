@@ -4,6 +4,7 @@ with the reason (`pytest -rs` shows it). Also: the helpers of tests/support on t
 tests whose ranks share a GPU, and the `net` fixture (the path a test runs on)."""
 
 import os
+import platform
 import sys
 
 import pytest
@@ -18,6 +19,31 @@ import gpus  # noqa: E402
 os.environ.setdefault("ROCENANTE_PROXY_SPIN_S", "0.002")
 
 FOLDER_MARKERS = {"gpu": pytest.mark.gpu, "rdma": pytest.mark.rdma}
+# ELF e_machine of the extension, as its header says (an emulated run must not quietly test a build for the host).
+ELF_MACHINES = {0x3E: "x86_64", 0xB7: "aarch64"}
+
+
+def _extension_machine() -> str:
+    from rocenante import _C
+
+    with open(_C.__file__, "rb") as f:
+        code = int.from_bytes(f.read(20)[18:20], "little")
+    return ELF_MACHINES.get(code, f"ELF machine {code:#x}")
+
+
+def pytest_report_header(config):
+    from rocenante import _C
+
+    return f"rocenante._C: {_C.__file__}, built for {_extension_machine()}; running on {platform.machine()}"
+
+
+def pytest_sessionstart(session):
+    """ROCENANTE_TEST_MACHINE=aarch64 (tests/aarch64/suite.sh): the run stops unless both this Python and the
+    extension are aarch64's."""
+    want = os.environ.get("ROCENANTE_TEST_MACHINE")
+    if want and (platform.machine(), _extension_machine()) != (want, want):
+        raise pytest.UsageError(f"ROCENANTE_TEST_MACHINE={want}, but Python runs on {platform.machine()} and the "
+                                f"extension is built for {_extension_machine()}")
 SHARED_GPU_ENV = "ROCENANTE_TEST_SHARED_GPU"
 
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <functional>
@@ -106,15 +107,18 @@ class Wire : public Transport {
   const Signal signal_;
 };
 
-// A network wire's memory (tcp.cc, ibverbs.cc): one anonymous mmap, page-aligned, holding this rank's receive
-// region (RegionLayout::region_bytes(), filled with initial_word(): empty before any peer can write into it,
+// A network wire's memory (tcp.cc, ibverbs.cc): one anonymous mmap of whole pages (of the host's page size, 64 KiB
+// on some aarch64 kernels: ibverbs.cc's MADV_DONTFORK and registration then cover exactly it), holding this rank's
+// receive region (RegionLayout::region_bytes(), filled with initial_word(): empty before any peer can write into it,
 // layout.h), then the image, as large, then `extra_bytes`. The image and the extra bytes start as zeros, which no
 // peer reads: the proxy delivers a call's span only once the reducer wrote all of it (layout.h, Mailbox: ring).
 // The image is peer_region(p) for every peer p (ibverbs.cc says why one image serves them all).
 class WireBlock {
  public:
-  WireBlock(size_t region_bytes, size_t extra_bytes)
-      : region_bytes_(region_bytes), bytes_((2 * region_bytes + extra_bytes + kPage - 1) / kPage * kPage) {
+  // page_bytes: the host's, unless a test injects another (_C._test_wire_block_bytes).
+  WireBlock(size_t region_bytes, size_t extra_bytes, size_t page_bytes = size_t(sysconf(_SC_PAGESIZE)))
+      : region_bytes_(region_bytes),
+        bytes_((2 * region_bytes + extra_bytes + page_bytes - 1) / page_bytes * page_bytes) {
     void* block = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (block == MAP_FAILED) throw_system_error("mmap", __FILE__, __LINE__);
     data_ = static_cast<char*>(block);
@@ -131,7 +135,6 @@ class WireBlock {
   char* extra() const { return data_ + 2 * region_bytes_; }
 
  private:
-  static constexpr size_t kPage = 4096;
   size_t region_bytes_;
   size_t bytes_;
   char* data_ = nullptr;

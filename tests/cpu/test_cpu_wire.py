@@ -159,3 +159,17 @@ def test_data_before_a_different_call_word_is_never_reduced(theirs, words):
         assert torch.isnan(out).all(), "an output element was written for a call the peer did not make"
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("page", [4096, 65536])  # 64 KiB: some aarch64 kernels (a DGX Spark's may be one)
+def test_a_wires_memory_is_whole_pages_of_the_page_size(page):
+    for region, extra in [(4, 0), (65536, 0), (100_004, 8192), (1 << 20, 65 * 64)]:
+        got = _C._test_wire_block_bytes(region, extra, page)
+        assert got % page == 0 and 2 * region + extra <= got < 2 * region + extra + page, (region, extra, got)
+
+
+def test_a_wires_memory_takes_the_hosts_page_size():
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert _C._test_wire_block_bytes(4, 0, 0) == page
+    assert _C._test_wire_block_bytes(page // 2, 0, 0) == page
+    assert _C._test_wire_block_bytes(page // 2, 1, 0) == 2 * page

@@ -61,7 +61,8 @@ def _context(name: str):
     return ctx
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "forkserver", clean_exit: bool = False) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "forkserver",
+              clean_exit: bool = False) -> list:
     """Calls fn(store, rank, world, *args) on `world` processes; returns their results in rank order.
     Each rank gets the parent's environment as it is at the call. context="fork" skips even the forkserver's start
     (in the SoftRoCE VM, importing torch takes a minute); only for a parent that has started no threads and opened

@@ -1,10 +1,13 @@
-// ThreadSanitizer's workload (tests/tsan/run.sh): the host code, torch-free, with every rank a thread of this one
-// process over the TCP wire (so the proxy threads, the wire's receiver threads, the watchdog and the host loops of
-// all ranks run side by side where TSan sees every access), in both signal modes: calls of every collective
+// ThreadSanitizer's workload (tests/tsan/run.sh), also run on aarch64 under emulation (tests/aarch64/run.sh): the
+// host code, torch-free, with every rank a thread of this one process, over shared memory and over the TCP wire in
+// both signal modes (so the host loops, the proxy threads, the wire's receiver threads and the watchdog of all ranks
+// run side by side where TSan sees every access): calls of every collective
 // (pieces and two-shot included) whose results are checked, a call mismatch, a rank that closes mid-run and a rank
 // that refuses a call. Prints one line per scenario and "N passed, N failed"; exits non-zero on a failure.
 // Built with -DROCENANTE_TSAN_PLANTED_RACE it also races two threads on a plain int, which TSan must report: the
 // job's proof that it can fail.
+#include <sys/utsname.h>
+
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -26,14 +29,14 @@ constexpr size_t kCapacity = 64 << 10;  // small, so that calls of a few hundred
 constexpr double kTimeoutS = 30;        // TSan slows the host code down 5-15 times
 
 // The ranks' communicators, connected as the Python rendezvous connects them (through a store there).
-std::vector<std::unique_ptr<Communicator>> connect_world(Signal signal) {
+std::vector<std::unique_ptr<Communicator>> connect_world(Net net, Signal signal) {
   std::vector<std::unique_ptr<Communicator>> comms(kWorld);
   std::vector<std::string> handles(kWorld);
   std::barrier sync(kWorld);
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorld; ++r)
     threads.emplace_back([&, r] {
-      comms[r] = std::make_unique<Communicator>(r, kWorld, -1, kCapacity, kTimeoutS, OnFault::kRaise, Net::kTcp,
+      comms[r] = std::make_unique<Communicator>(r, kWorld, -1, kCapacity, kTimeoutS, OnFault::kRaise, net,
                                                 std::vector<std::vector<IbPath>>{}, 1, 0.0, signal, 128 << 10);
       handles[r] = comms[r]->local_handle();
       sync.arrive_and_wait();
@@ -105,9 +108,9 @@ bool all_mention(const std::vector<std::string>& e, const std::string& word) {
   return true;
 }
 
-void scenarios(Signal signal, const std::string& mode) {
+void scenarios(Net net, Signal signal, const std::string& mode) {
   {  // calls, then a call mismatch: rank 1 all-reduces another count
-    auto comms = connect_world(signal);
+    auto comms = connect_world(net, signal);
     expect(all_empty(on_every_rank(comms, calls)), mode + ": every collective, results checked", {"", "", ""});
     std::vector<std::string> errors = on_every_rank(comms, [](int r, Communicator& c) {
       std::vector<float> in(r == 1 ? 100 : 200, 1.0f), out(in.size());
@@ -117,7 +120,7 @@ void scenarios(Signal signal, const std::string& mode) {
     for (auto& c : comms) c->close();
   }
   {  // a rank that closes mid-run: its peers' next call fails at once
-    auto comms = connect_world(signal);
+    auto comms = connect_world(net, signal);
     std::vector<std::string> errors = on_every_rank(comms, [](int r, Communicator& c) {
       calls(r, c);
       if (r == 2) {
@@ -131,7 +134,7 @@ void scenarios(Signal signal, const std::string& mode) {
     for (auto& c : comms) c->close();
   }
   {  // a refusal: rank 0 refuses its call (its cause is its own), the others fail naming rank 0
-    auto comms = connect_world(signal);
+    auto comms = connect_world(net, signal);
     std::vector<std::string> errors = on_every_rank(comms, [](int r, Communicator& c) {
       calls(r, c);
       if (r == 0) c.refuse("a test refuses this call");
@@ -146,6 +149,17 @@ void scenarios(Signal signal, const std::string& mode) {
 }  // namespace
 
 int main() {
+  // What ran, for the logs (tests/aarch64/run.sh checks it: an emulated run must not quietly be a native one).
+  utsname host{};
+  uname(&host);
+#if defined(__aarch64__)
+  const char* built_for = "aarch64";
+#elif defined(__x86_64__)
+  const char* built_for = "x86_64";
+#else
+  const char* built_for = "another architecture";
+#endif
+  std::printf("driver: built for %s, running on %s\n", built_for, host.machine);
 #ifdef ROCENANTE_TSAN_PLANTED_RACE
   int planted = 0;
   std::thread a([&] { for (int i = 0; i < 1000; ++i) ++planted; });
@@ -154,8 +168,9 @@ int main() {
   b.join();
   std::printf("planted race: %d\n", planted);
 #endif
-  scenarios(Signal::kFlag, "flag");
-  scenarios(Signal::kCompletion, "completion");
+  scenarios(Net::kShm, Signal::kFlag, "shm");
+  scenarios(Net::kTcp, Signal::kFlag, "tcp flag");
+  scenarios(Net::kTcp, Signal::kCompletion, "tcp completion");
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
