@@ -19,6 +19,7 @@ import gpus  # noqa: E402
 os.environ.setdefault("ROCENANTE_PROXY_SPIN_S", "0.002")
 
 FOLDER_MARKERS = {"gpu": pytest.mark.gpu, "rdma": pytest.mark.rdma}
+SHARED_GPU_ENV = "ROCENANTE_TEST_SHARED_GPU"
 # ELF e_machine of the extension, as its header says (an emulated run must not quietly test a build for the host).
 ELF_MACHINES = {0x3E: "x86_64", 0xB7: "aarch64"}
 
@@ -44,7 +45,6 @@ def pytest_sessionstart(session):
     if want and (platform.machine(), _extension_machine()) != (want, want):
         raise pytest.UsageError(f"ROCENANTE_TEST_MACHINE={want}, but Python runs on {platform.machine()} and the "
                                 f"extension is built for {_extension_machine()}")
-SHARED_GPU_ENV = "ROCENANTE_TEST_SHARED_GPU"
 
 
 def world_of(item) -> int:
@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _ranks_share_a_gpu(request, monkeypatch):
     """A GPU test with more ranks than this machine has GPUs runs them on shared GPUs (tests/support/gpus.py):
-    ROCENANTE_TEST_SHARED_GPU=1 for its ranks (every rank gets the environment: run_ranks) lets startup's agreement accept that and makes
+    ROCENANTE_TEST_SHARED_GPU=1 for its ranks (run_ranks passes it on) lets startup's agreement accept that and makes
     the backend's CUDA delegate gloo, since NCCL refuses two ranks on one device."""
     if request.node.get_closest_marker("gpu") is None:
         return
@@ -106,7 +106,7 @@ def _ranks_share_a_gpu(request, monkeypatch):
 
 @pytest.fixture(params=["", "tcp"], ids=["direct", "tcp"])
 def net(request, monkeypatch):
-    """The path a test's ranks take, as ROCENANTE_NET (every rank gets the environment: run_ranks): "" peers on this host directly (shared
+    """The path a test's ranks take, as ROCENANTE_NET (run_ranks passes it on): "" peers on this host directly (shared
     memory with CPU tensors, CUDA IPC with GPU tensors), "tcp" every peer through the TCP software wire on loopback
     (the network path). A test asking for `net` runs on both; @pytest.mark.parametrize("net", ..., indirect=True)
     picks its own."""

@@ -79,7 +79,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0, context: str = "for
     results: list = [("hung",)] * world
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue, dict(os.environ), stdio)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store_path, args, queue, dict(os.environ), stdio))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
