@@ -25,13 +25,17 @@ mount_in -t sysfs sys "$root/sys"
 mount_in --bind /dev "$root/dev"
 mount_in -t tmpfs -o size=4g shm "$root/dev/shm"
 mount_in -t tmpfs -o size=8g tmp "$root/tmp"
+# Names as on any host (mmdebstrap leaves no /etc/hosts): torchrun's store at localhost, gloo at the hostname.
+printf '127.0.0.1 localhost %s\n::1 localhost ip6-localhost\n' "$(hostname)" > "$root/etc/hosts"
 # The tree as git sees it (tracked and untracked, not ignored), copied in: the build writes beside its sources.
 rm -rf "$root/src" && mkdir -p "$root/src"
 (cd "$repo" && git ls-files -z -co --exclude-standard | tar --null -T - -cf -) | tar -C "$root/src" -xf -
 # QEMU_CPU: qemu's default CPU ("max") offers SVE, torch's inductor then emits SVE code, and bookworm's GCC 12 crashes
 # compiling it (an internal compiler error in aarch64_sve::gimple_folder); a Neoverse N1 has no SVE.
+# ROCENANTE_TEST_EMULATED: tests/support/probes.py.
 in_root() {
-  chroot "$root" /usr/bin/env -i QEMU_CPU=neoverse-n1 HOME=/root PATH=/opt/venv/bin:/usr/bin:/bin LANG=C.UTF-8 "$@"
+  chroot "$root" /usr/bin/env -i QEMU_CPU=neoverse-n1 ROCENANTE_TEST_EMULATED=qemu-user HOME=/root \
+    PATH=/opt/venv/bin:/usr/bin:/bin LANG=C.UTF-8 "$@"
 }
 {
   echo "# tests/aarch64/suite.sh on $(uname -m) ($(nproc) cores), $(qemu-aarch64-static --version | head -1)"
