@@ -3,12 +3,11 @@
 # under qemu-user, on an x86 host: made from Debian's packages (mmdebstrap) and PyPI's aarch64 wheels, nothing else.
 # The wheels are fetched natively on the host (pip download --platform) into ROOT/var/cache/wheels and installed
 # inside, into the venv /opt/venv (the same packages as .ci/run's venv; PyPI's aarch64 torch is a CUDA build, and
-# its nvidia-* wheels come with it: about 2.7 GB). Needs root, apt-get and binfmt_misc (it registers qemu-aarch64
+# its nvidia-* wheels come with it: about 2.9 GB). Needs root, apt-get and binfmt_misc (it registers qemu-aarch64
 # when absent). Measured on the 2-core x86 machine: see tests/README.md, "aarch64".
 #   tests/aarch64/make_root.sh [ROOT]   (default /var/tmp/rocenante-arm64)
 set -euo pipefail
 root=${1:-/var/tmp/rocenante-arm64}
-here=$(cd "$(dirname "$0")" && pwd)
 DEBIAN_FRONTEND=noninteractive apt-get install -y -q mmdebstrap qemu-user-static > /dev/null
 if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
   mountpoint -q /proc/sys/fs/binfmt_misc || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
@@ -24,8 +23,8 @@ echo "aarch64 root: debootstrapped in $(( $(date +%s) - start )) s"
 start=$(date +%s)
 wheels=$root/var/cache/wheels
 mkdir -p "$wheels"
-# What .ci/run installs, for the same tests (the CMake and Ninja wheels: bookworm's CMake 3.25.1 is older than the
-# build asks for with CUDA, and the CPU build then takes the same path as on a Spark with a newer CMake).
+# What .ci/run installs, for the same tests, and the build's own (the CMake and Ninja wheels: bookworm's CMake 3.25.1
+# is older than the 3.25.2 the build asks for).
 packages=(torch==2.13.0 numpy pytest hypothesis "apache-tvm-ffi>=0.1.11,<0.2" cuda-python nvidia-ml-py requests tqdm
           transformers==5.17.0 accelerate==1.15.0 scikit-build-core pybind11 "cmake>=3.25.2" ninja)
 platforms=(--platform manylinux2014_aarch64)  # pip download takes only the tags named: every glibc bookworm runs
@@ -39,4 +38,3 @@ chroot "$root" /bin/sh -c "python3 -m venv /opt/venv && /opt/venv/bin/pip instal
   --find-links /var/cache/wheels ${packages[*]@Q} && /opt/venv/bin/pip install -q --no-index --no-deps \
   --find-links /var/cache/wheels flashinfer-python==0.7.4"
 echo "aarch64 root: venv installed under emulation in $(( $(date +%s) - start )) s"
-cp "$here/cpuinfo" "$root/etc/rocenante-cpuinfo"
