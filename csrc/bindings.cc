@@ -123,7 +123,8 @@ PYBIND11_MODULE(_C, m) {
       .value("all_reduce", rocenante::Collective::kAllReduce)
       .value("fused_all_reduce", rocenante::Collective::kFusedAllReduce)
       .value("all_gather", rocenante::Collective::kAllGather)
-      .value("reduce_scatter", rocenante::Collective::kReduceScatter);
+      .value("reduce_scatter", rocenante::Collective::kReduceScatter)
+      .value("all_to_all", rocenante::Collective::kAllToAll);
   layout.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch,
                              rocenante::Collective collective, bool two_shot) {
     const auto algorithm = two_shot ? rocenante::Algorithm::kTwoShot : rocenante::Algorithm::kOneShot;
@@ -172,6 +173,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter", &Communicator::reduce_scatter, py::arg("inp"), py::arg("out"), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all", &Communicator::all_to_all, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
+           py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("two_shot", [](const Communicator& c, size_t bytes) {
              return c.algorithm_for(bytes) == rocenante::Algorithm::kTwoShot;
            }, py::arg("bytes"))

@@ -30,16 +30,17 @@ struct RowNorm {
 struct CallArgs {
   const void* in;
   void* out;  // may equal `in` (an all-reduce)
-  size_t count;  // elements of the whole tensor (an all-gather's output, a reduce-scatter's input)
+  size_t count;  // elements of the whole tensor (an all-gather's output, a reduce-scatter's or all-to-all's input)
   size_t bytes;  // count * dtype_size
   DType dtype;
   ReduceOp op;
   Collective collective;
   Algorithm algorithm;
   uint32_t signature;  // call_signature() of all of the above
-  // Sharded calls (two-shot, reduce-scatter, all-gather; layout.h): the shards, and the distance in bytes between
-  // consecutive shards in the caller's tensor (of `in` for a reduce-scatter, of `out` for an all-gather, of both
-  // for two-shot), which exceeds shard_bytes when the call is one piece of a larger one.
+  // Sharded calls (two-shot, reduce-scatter, all-gather, all-to-all; layout.h): the shards, and the distance in
+  // bytes between consecutive shards in the caller's tensor (of `in` for a reduce-scatter, of `out` for an
+  // all-gather, of both for two-shot and all-to-all), which exceeds shard_bytes when the call is one piece of a
+  // larger one.
   Shards shards;
   size_t stride_bytes;
   int rank;
@@ -63,7 +64,7 @@ struct CallArgs {
 // Whether a call cuts its tensor into shards (Shards, layout.h), and the format its data travels in.
 ROCENANTE_HD bool sharded(const CallArgs& a) {
   return a.collective == Collective::kAllGather || a.collective == Collective::kReduceScatter ||
-         a.algorithm == Algorithm::kTwoShot;
+         a.collective == Collective::kAllToAll || a.algorithm == Algorithm::kTwoShot;
 }
 // A two-shot piece's calls carry the dtype's format: its second call, an all-gather, gathers reduced shards, which
 // are sanitized (layout.h), so the Lamport format carries every bit of them.

@@ -45,17 +45,18 @@ const char* collective_name(Collective c) {
     case Collective::kFusedAllReduce: return "all_reduce";
     case Collective::kAllGather: return "all_gather";
     case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllToAll: return "all_to_all";
   }
   return "?";
 }
 // A call as the protocol sees it (a signature's fields), e.g. "all_reduce with 1024 x float32 (op sum)"; `count`
-// counts the whole tensor (an all-gather's output, a reduce-scatter's input).
+// counts the whole tensor (an all-gather's output, a reduce-scatter's or all-to-all's input).
 std::string describe_call(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
                           Algorithm algorithm = Algorithm::kOneShot) {
   std::string what = std::string(collective_name(collective)) + " with " + std::to_string(count) + " x " +
                      dtype_name(dtype);
-  if (collective == Collective::kAllGather || collective == Collective::kReduceScatter) what += " in all";
-  if (collective == Collective::kAllGather) return what;
+  if (collective != Collective::kAllReduce && collective != Collective::kFusedAllReduce) what += " in all";
+  if (collective == Collective::kAllGather || collective == Collective::kAllToAll) return what;
   return what + " (op " + op_name(op) +
          (collective == Collective::kFusedAllReduce ? ", fused with the residual add and RMSNorm)"
           : algorithm == Algorithm::kTwoShot       ? ", two-shot)"
@@ -331,21 +332,22 @@ void Communicator::validate_shared(DType dtype, ReduceOp op) const {
 }
 
 // What only this rank can see about its call; nullptr when the pointers are fine. The output may overlap the
-// input only where it is the same memory: an all-reduce in place, an all-gather whose input is this rank's
-// shard of the output, a reduce-scatter whose output is this rank's shard of the input.
+// input only where it is the same memory: an all-reduce or all-to-all in place, an all-gather whose input is this
+// rank's shard of the output, a reduce-scatter whose output is this rank's shard of the input.
 const char* Communicator::validate_local(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype) const {
   const size_t esize = dtype_size(dtype);
   const size_t shard = count * esize;  // bytes of a rank's part: the whole tensor for an all-reduce
-  const size_t in_bytes = c == Collective::kReduceScatter ? shard * world_ : shard;
-  const size_t out_bytes = c == Collective::kAllGather ? shard * world_ : shard;
+  const size_t in_bytes = c == Collective::kReduceScatter || c == Collective::kAllToAll ? shard * world_ : shard;
+  const size_t out_bytes = c == Collective::kAllGather || c == Collective::kAllToAll ? shard * world_ : shard;
   if (in == 0 || out == 0) return "null input or output pointer";
   if (in % esize != 0 || out % esize != 0) return "input and output must be aligned to their element size";
   const bool same = c == Collective::kAllGather       ? in == out + rank_ * shard
                     : c == Collective::kReduceScatter ? out == in + rank_ * shard
                                                       : in == out;
   if (!same && in < out + out_bytes && out < in + in_bytes)
-    return c == Collective::kAllReduce ? "input and output overlap without being the same buffer"
-                                       : "input and output overlap other than where this rank's shard lies";
+    return c == Collective::kAllReduce || c == Collective::kAllToAll
+               ? "input and output overlap without being the same buffer"
+               : "input and output overlap other than where this rank's shard lies";
   return nullptr;
 }
 
@@ -416,12 +418,17 @@ uint32_t Communicator::reduce_scatter(uintptr_t in, uintptr_t out, size_t count,
   return call(Collective::kReduceScatter, in, out, count, dtype, op, stream);
 }
 
+uint32_t Communicator::all_to_all(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream) {
+  return call(Collective::kAllToAll, in, out, count, dtype, ReduceOp::kSum, stream);
+}
+
 uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op,
                             uintptr_t stream) {
   refuse_in_forked_child();  // before the lock, which a thread that did not fork may have held
   std::unique_lock<std::mutex> lock(issue_);
   const size_t esize = uint32_t(dtype) < kNumDTypes ? dtype_size(dtype) : 0;
-  const size_t out_bytes = count * esize * (c == Collective::kAllGather ? world_ : 1);
+  const bool moves_bits = c == Collective::kAllGather || c == Collective::kAllToAll;  // its op field is sum
+  const size_t out_bytes = count * esize * (moves_bits ? world_ : 1);
   // A CPU call that a known fault stops before it starts computes nothing: its output is poisoned, as a faulted
   // call's is (a GPU call's output is the kernel's to poison, and no kernel is launched).
   if (kernel_ == nullptr && esize != 0 && count > 0 && current_fault() != 0 &&
@@ -456,14 +463,14 @@ uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t co
     a.bytes = a.count * esize;
     a.in = reinterpret_cast<const char*>(in) + first * esize;
     a.out = reinterpret_cast<char*>(out) + first * esize;
-    if (c != Collective::kAllReduce) {  // reduce-scatter, all-gather: the same n elements of every shard
+    if (c != Collective::kAllReduce) {  // reduce-scatter, all-gather, all-to-all: the same n elements of every shard
       a.shards = even_shards(n * esize, world_);
       a.stride_bytes = count * esize;
     } else if (!one_shot) {  // two-shot: this piece cut into shards
       a.shards = two_shot_shards(a.bytes, world_);
       a.stride_bytes = a.shards.shard_bytes;
     }
-    a.signature = call_signature(a.count, dtype, c == Collective::kAllGather ? ReduceOp::kSum : op, c, a.algorithm);
+    a.signature = call_signature(a.count, dtype, moves_bits ? ReduceOp::kSum : op, c, a.algorithm);
     const uint64_t fault = issue(a, stream, epoch);
     if (fault == 0) continue;
     // The host loop met a fault: poison what later pieces would have computed, as it did for the rest of this one

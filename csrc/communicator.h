@@ -35,7 +35,7 @@ enum class Net : uint32_t { kShm = 0, kIb = 1, kTcp = 2 };
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
 // CPU or GPU, first call, network signal, two-shot size), the process's identity (pid, start time), then the
 // transport's part (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4339;  // "ROC9": bump when the protocol or the handle changes
+constexpr uint32_t kConfigMagic = 0x524f4341;  // "ROCA": bump when the protocol or the handle changes
 constexpr size_t kConfigBytes = 32;
 constexpr size_t kHandleHeaderBytes = 48;
 
@@ -76,6 +76,9 @@ class Communicator : public Watched {
   // out = this rank's part, elements [rank * count, (rank + 1) * count), of op over ranks of `in` (world * count
   // elements); `out` may be that part of `in`. Issued and completed as all_reduce().
   uint32_t reduce_scatter(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  // Block s of `out` (elements [s * count, (s + 1) * count)) = block `rank` of rank s's `in` (world * count
+  // elements each, every bit as given); `out` may be `in`. Issued and completed as all_reduce().
+  uint32_t all_to_all(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream);
   // How all_reduce() moves a call of `bytes` bytes: two-shot from twoshot_from_bytes() on (agreed at startup).
   Algorithm algorithm_for(size_t bytes) const;
   uint32_t twoshot_from_bytes() const { return twoshot_from_; }
@@ -140,7 +143,8 @@ class Communicator : public Watched {
  private:
   void validate_shared(DType dtype, ReduceOp op) const;
   const char* validate_local(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype) const;
-  // One call of any collective from the API (count: all_reduce's, all_gather's or reduce_scatter's): its pieces.
+  // One call of any collective from the API (count: all_reduce's, all_gather's, reduce_scatter's or all_to_all's):
+  // its pieces.
   uint32_t call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
   const char* validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
                              uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;

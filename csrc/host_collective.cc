@@ -1,14 +1,15 @@
 // The collectives of CPU tensors: the protocol of layout.h run by one thread (peers on this host through shared
 // memory, network peers through the proxy's mailbox), one call (a piece) at a time.
-//   1. push:  write the call word, then our data (Lamport: sanitized; int32 and all-gathers: as lines) into our
-//             area of this call's buffer in every peer's region (network peers: in our image of it, then ring the
-//             proxy's doorbell, layout.h's Mailbox): our whole input (one-shot), each peer's shard of it
-//             (two-shot's first exchange, reduce-scatter) or our shard (all-gather);
+//   1. push:  write the call word, then our data (Lamport: sanitized; int32, all-gathers and all-to-alls: as
+//             lines) into our area of this call's buffer in every peer's region (network peers: in our image of
+//             it, then ring the proxy's doorbell, layout.h's Mailbox): our whole input (one-shot), each peer's
+//             shard of it (two-shot's first exchange, reduce-scatter, all-to-all) or our shard (all-gather);
 //   2. reset: write kEmpty over the previous call's buffer of our own region;
 //   3. pull:  wait for every peer's call word (network peers: once their arrival word says the delivery is
 //             whole), then block by block for every peer's data, combine all inputs in rank order and write the
 //             output (one-shot: all of it; two-shot: our shard, also sent to every peer, then the peers' reduced
-//             shards as they arrive; reduce-scatter: our shard), or copy the peers' shards out (all-gather).
+//             shards as they arrive; reduce-scatter: our shard), or copy the peers' shards out (all-gather: each
+//             peer's own; all-to-all: the one each peer sent us, and our own block from our input).
 //
 // Element atomicity (layout.h relies on it): every word a peer polls is written by one aligned store that
 // covers it whole, and read by one aligned load that covers it whole:
@@ -342,6 +343,20 @@ void send(const Destinations& to, const void* src, size_t bytes, size_t at, uint
   }
 }
 
+// Shard p of our input into peer p's area, at slot p (two-shot's first exchange, reduce-scatter, all-to-all); a
+// network peer's area is the image that others read too, so it gets every shard but ours (below).
+template <DType D, Format F>
+void push_shards(const CallArgs& a, int buffer, uint32_t call) {
+  const Shards& sh = a.shards;
+  for (int p = 0; p < a.world; ++p) {
+    if (!(a.stores & (1u << p))) continue;
+    const Destinations to(a, buffer, 1u << p);
+    for (int s = 0; s < a.world; ++s)
+      if (s == p || (s != a.rank && (a.network & (1u << p))))
+        send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks, call);
+  }
+}
+
 // The push (step 1): this rank's data of the call into every peer's area (layout.h, Shards). A network peer's
 // area is our image of its region, one for the peers below us and one for those above (CallArgs::stores),
 // so what each of those peers reads from it is written there: every shard but ours.
@@ -357,15 +372,10 @@ void push(const CallArgs& a, int buffer, uint32_t call) {
       send<D, Format::kLines>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
     else
       send<D, F>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
+  } else if (format_of(a) == Format::kLines) {  // an all-to-all (or an int32 reduce-scatter, F already)
+    push_shards<D, Format::kLines>(a, buffer, call);
   } else {  // two-shot's first exchange, a reduce-scatter
-    for (int p = 0; p < a.world; ++p) {
-      if (!(a.stores & (1u << p))) continue;
-      const Destinations to(a, buffer, 1u << p);
-      for (int s = 0; s < a.world; ++s)
-        if (s == p || (s != a.rank && (a.network & (1u << p))))
-          send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
-                     call);
-    }
+    push_shards<D, F>(a, buffer, call);
   }
 }
 
@@ -417,8 +427,9 @@ uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, cons
   return 0;
 }
 
-// Copies every peer's shard (peer s sent sh.bytes_of(s) bytes as chunks [s * slot_chunks, ...) of its area,
-// areas[s]) to out + s * stride_bytes, in whatever order they arrive. One wait for the set of peers still owed, as
+// Copies every peer's shard to out + s * stride_bytes, in whatever order they arrive: peer s sent sh.bytes_of(s)
+// bytes as chunks [t * slot_chunks, ...) of its area, areas[s], at slot t = s (its own shard: all-gather, two-shot's
+// second exchange) or t = our rank (the block it sends us: all-to-all, whose blocks are all of one size). One wait for the set of peers still owed, as
 // the other phases wait: a peer that ended fails it at once, also while another is late. The wait starts afresh
 // after each copy, so the timeout bounds the time without progress, as a wait per block would.
 template <Format F>
@@ -431,7 +442,8 @@ uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint
     bool progress = false;
     for (int s = 0; s < a.world; ++s) {
       if (!(owed & (1u << s))) continue;
-      const size_t at = s * sh.slot_chunks, bytes = sh.bytes_of(s), chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
+      const int slot = a.collective == Collective::kAllToAll ? a.rank : s;
+      const size_t at = slot * sh.slot_chunks, bytes = sh.bytes_of(s), chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
       const size_t until = arrived_until<F>(areas[s], at + copied[s], at + chunks, call) - at;
       for (size_t n; copied[s] < until; copied[s] += n, progress = true) {
         n = std::min(kBlockChunks, until - copied[s]);
@@ -491,6 +503,8 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
   char* const out = static_cast<char*>(a.out);
   if (a.collective == Collective::kAllGather) {
     std::memmove(out + r * a.stride_bytes, a.in, sh.bytes_of(r));  // every bit as given (in place: the same bytes)
+  } else if (a.collective == Collective::kAllToAll) {  // our own block, as our input has it
+    std::memmove(out + r * a.stride_bytes, static_cast<const char*>(a.in) + r * a.stride_bytes, sh.bytes_of(r));
   } else {  // our shard, reduced: a reduce-scatter's output, or sent on to every peer (two-shot)
     const bool two_shot = a.collective == Collective::kAllReduce;
     const Destinations forward(a, buffer, two_shot ? a.stores : 0);

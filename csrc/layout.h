@@ -1,4 +1,4 @@
-// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v4).
+// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v5).
 // One protocol for every transport: shared memory (host path), CUDA IPC (the kernel) and RDMA (a NIC writing
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
@@ -197,7 +197,7 @@ constexpr int kMaxRanks = 8;
 // signature.
 constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 
-// The collectives, and how an all-reduce moves its data (protocol v4):
+// The collectives, and how an all-reduce moves its data (protocol v5):
 //   all-reduce, one-shot: every rank pushes its whole input into its area of every peer's region; each rank
 //     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (CallArgs).
 //   all-reduce, two-shot: the tensor is cut into `world` shards (Shards, below); every rank pushes shard p of its
@@ -206,6 +206,9 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 //     with the same arithmetic as one-shot, so the bits equal one-shot's and every rank's.
 //   reduce-scatter: the first exchange of two-shot, each rank's output its own reduced shard.
 //   all-gather: each rank pushes its input (a shard) into every peer's region; each rank concatenates them.
+//   all-to-all: the tensor is `world` blocks; every rank pushes block p of its input into peer p's region (as
+//     reduce-scatter does) and copies what each peer s pushed into block s of its output, its own block from its
+//     input: the exchange that cuts tokens to their experts' ranks (expert parallelism).
 // Over a network wire a delivery carries one call, so there a two-shot piece is two calls, numbers e and e + 1
 // (calls_of(), call_args.h): a reduce-scatter that leaves each rank's reduced shard in its place in the
 // output, then an all-gather of that shard. Both carry the two-shot signature, so a peer that makes another call
@@ -223,13 +226,20 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 // whole span before that (Mailbox), so nothing left there from call e is read by a later call of the buffer.
 // The buffer's next reset is the usual one of call e + 3's footprint, by the call after it (the kernel keeps the
 // footprint of each launch's last call).
-enum class Collective : uint32_t { kAllReduce = 0, kFusedAllReduce = 1, kAllGather = 2, kReduceScatter = 3 };
+enum class Collective : uint32_t {
+  kAllReduce = 0,
+  kFusedAllReduce = 1,
+  kAllGather = 2,
+  kReduceScatter = 3,
+  kAllToAll = 4,
+};
 enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 
 // Signature of a call: the element count minus one (< 2^24, since capacity <= 32 MiB and elements are >= 2
-// bytes; the count of the whole tensor: an all-gather's output, a reduce-scatter's input), dtype, op, collective
-// and algorithm, packed injectively into bits 1..31. Bit 0 stays clear for make_flag. A rank whose call differs
-// from its peer's in any of these is told which call the peer made, never reduces or copies its data:
+// bytes; the count of the whole tensor: an all-gather's output, a reduce-scatter's input, an all-to-all's
+// input), dtype, op, and what the call is (its kind: collective and algorithm), packed injectively into bits
+// 1..31. Bit 0 stays clear for make_flag. A rank whose call differs from its peer's in any of these is told which
+// call the peer made, never reduces or copies its data:
 //   - the collective and algorithm decide where each rank's data lies in the areas (Shards) and what it is (an
 //     input, a reduced shard), so calls that differ there exchange words that mean different things even when
 //     their byte counts agree;
@@ -238,33 +248,47 @@ enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 //     same bits. What the fused epilogue takes besides (row length, eps, gamma, the residual) shapes only what
 //     each rank computes from the reduced rows, as a caller's ops after a plain all-reduce would; like the data
 //     itself, keeping it alike is the caller's part.
-// An all-gather moves bits, not values: its op field is sum, whatever the caller's.
+// An all-gather and an all-to-all move bits, not values: their op field is sum, whatever the caller's.
+// The kind takes bits 29..31: the first four collectives with the algorithm (bit 31), all-to-all code 6 (v4 had
+// no all-to-all; its collective field, two bits, was full). Two-shot serves all-reduces only, so the codes of
+// an all-gather or a reduce-scatter with two-shot (6, 7) were never signed, and 6 is all-to-all's: one code per
+// kind, as the signature must be injective. (A two-shot piece's calls over a network wire carry collectives of
+// their own in CallArgs, piece_call(), but the piece's signature.)
+constexpr uint32_t kAllToAllKind = 6;
+ROCENANTE_HD uint32_t call_kind(Collective collective, Algorithm algorithm) {
+  return collective == Collective::kAllToAll ? kAllToAllKind : (uint32_t(algorithm) << 2) | uint32_t(collective);
+}
 ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
                                      Algorithm algorithm = Algorithm::kOneShot) {
-  return (uint32_t(algorithm) << 31) | (uint32_t(collective) << 29) | (uint32_t(count - 1) << 5) |
-         (uint32_t(dtype) << 3) | (uint32_t(op) << 1);
+  return (call_kind(collective, algorithm) << 29) | (uint32_t(count - 1) << 5) | (uint32_t(dtype) << 3) |
+         (uint32_t(op) << 1);
 }
 ROCENANTE_HD size_t signature_count(uint32_t sig) { return ((sig >> 5) & 0xFFFFFFu) + 1; }
 ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
 ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
-ROCENANTE_HD Collective signature_collective(uint32_t sig) { return Collective((sig >> 29) & 3); }
-ROCENANTE_HD Algorithm signature_algorithm(uint32_t sig) { return Algorithm(sig >> 31); }
+ROCENANTE_HD Collective signature_collective(uint32_t sig) {
+  return sig >> 29 == kAllToAllKind ? Collective::kAllToAll : Collective((sig >> 29) & 3);
+}
+ROCENANTE_HD Algorithm signature_algorithm(uint32_t sig) {
+  return sig >> 29 == kAllToAllKind ? Algorithm::kOneShot : Algorithm(sig >> 31);
+}
 static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the largest piece fits in 24 bits");
 
-// Format of a call's data in the areas: an all-gather returns every bit it was given (-0.0 and NaN payloads
-// included), which the Lamport format cannot carry (its empty word is a float's -0.0), so it travels as lines
-// (but a two-shot piece's second call: format_of(args), call_args.h); the reductions as format_of(dtype).
+// Format of a call's data in the areas: an all-gather or an all-to-all returns every bit it was given (-0.0 and
+// NaN payloads included), which the Lamport format cannot carry (its empty word is a float's -0.0), so they travel
+// as lines (but a two-shot piece's second call: format_of(args), call_args.h); the reductions as format_of(dtype).
 constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
-  return c == Collective::kAllGather ? Format::kLines : format_of(t);
+  return c == Collective::kAllGather || c == Collective::kAllToAll ? Format::kLines : format_of(t);
 }
 
-// Where the calls that cut the tensor into shards (two-shot, reduce-scatter, all-gather) put each rank's data.
-// The tensor (an all-gather's output, a reduce-scatter's or two-shot's input) is `world` shards of shard_bytes
-// each (two-shot: a whole number of chunks, the last shards shorter or empty; reduce-scatter and all-gather:
-// count / world elements each). In an area, shard s takes slot s: chunks [s * slot_chunks, (s + 1) *
-// slot_chunks), its chunk j holding the shard's bytes [16 j, 16 j + 16) (the last one zero-padded). What lands
-// in area (b, s) of rank r's region, all of it written by s:
-//   - slot r: shard r of s's input (two-shot's first exchange, reduce-scatter), which r reduces;
+// Where the calls that cut the tensor into shards (two-shot, reduce-scatter, all-gather, all-to-all) put each
+// rank's data. The tensor (an all-gather's output, a reduce-scatter's or two-shot's input, an all-to-all's input
+// and output alike) is `world` shards of shard_bytes each (two-shot: a whole number of chunks, the last shards
+// shorter or empty; the others: count / world elements each). In an area, shard s takes slot s: chunks
+// [s * slot_chunks, (s + 1) * slot_chunks), its chunk j holding the shard's bytes [16 j, 16 j + 16) (the last
+// one zero-padded). What lands in area (b, s) of rank r's region, all of it written by s:
+//   - slot r: shard r of s's input (two-shot's first exchange, reduce-scatter), which r reduces, or which r copies
+//     out as block s of its output (all-to-all);
 //   - slot s: s's reduced shard (two-shot's second exchange) or s's input (all-gather), which r copies out.
 // The two never overlap (r != s), so one call word and one buffer serve both exchanges of a two-shot call: what
 // is not kEmpty in either slot is this call's (layout.h's argument, above, holds word for word). Over a network
@@ -288,7 +312,7 @@ ROCENANTE_HD Shards two_shot_shards(size_t bytes, int world) {
   const size_t slot = (chunks + size_t(world) - 1) / size_t(world);
   return {slot * kChunkBytes, slot, bytes};
 }
-// Reduce-scatter and all-gather: `world` shards of `shard_bytes` each.
+// Reduce-scatter, all-gather and all-to-all: `world` shards of `shard_bytes` each.
 ROCENANTE_HD Shards even_shards(size_t shard_bytes, int world) {
   return {shard_bytes, (shard_bytes + kChunkBytes - 1) / kChunkBytes, shard_bytes * size_t(world)};
 }

@@ -450,16 +450,18 @@ __device__ __forceinline__ void poison_if_faulted(const CallArgs& a, const Devic
   }
 }
 
-// Two-shot all-reduce, reduce-scatter and all-gather (layout.h, Shards), one launch each:
+// Two-shot all-reduce, reduce-scatter, all-gather and all-to-all (layout.h, Shards), one launch each:
 //   push:   shard t of our input into our area of rank t's region, at slot t (a network peer's image: every shard
-//           but ours, as the host loop does); an all-gather: our shard, at our slot, into every peer's, and into
-//           our own output (no peer's data in it, so it needs no peer's call word);
+//           but ours, as the host loop does), and an all-to-all's own shard into its place in our output; an
+//           all-gather: our shard, at our slot, into every peer's, and into our own output (no peer's data in it,
+//           so it needs no peer's call word);
 //   reset:  the footprint of the call before this launch, as one-shot;
 //   reduce: our shard, chunk by chunk once every peer's has arrived, in rank order as one-shot (the same bits);
 //           into our output, and for two-shot into every peer's region at our slot as well: with network peers
 //           as the launch's second call, the next number (calls_of(); its doorbell rung once every CTA has sent
 //           its part, as the first's);
-//   gather: each peer's slot as it arrives (its reduced shard, or its input for an all-gather) into our output.
+//   gather: each peer's slot as it arrives (its reduced shard, or its input for an all-gather) into our output;
+//           an all-to-all's: slot r of each peer's area (the block it sent us) into that peer's place.
 // Deadlock-free as one-shot: every CTA pushes before it waits; the reduce waits only for pushes; the gather waits
 // only for the peers' reduce, which waits for nothing else; every CTA of a launch is resident at once. A thread
 // touches a chunk of the caller's tensors in one phase only (in place: it reads the input chunk before it writes
@@ -471,6 +473,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
   constexpr Format F = format_of(Kind, D);
   constexpr bool kGather = Kind == Collective::kAllGather;
   constexpr bool kTwoShot = Kind == Collective::kAllReduce;
+  constexpr bool kAllToAll = Kind == Collective::kAllToAll;
   const uint32_t epoch = begin_launch(s);
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
@@ -505,9 +508,13 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
       for (size_t v = first; v < slots; v += stride) {
         const int t = int(v / slot);
         const size_t j = v % slot;
-        if (t == r || j >= sh.chunks_of(t)) continue;
+        if ((t == r && !kAllToAll) || j >= sh.chunks_of(t)) continue;
         uint32_t w[4];
         load_words(in + t * a.stride_bytes, j * kChunkBytes, sh.bytes_of(t), a.dtype, w);
+        if (t == r) {  // all-to-all: our own block stays with us
+          store_words(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype, w);
+          continue;
+        }
         sanitize<D, F>(w);
 #pragma unroll
         for (int p = 0; p < W; ++p)
@@ -523,7 +530,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
 
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
   uint64_t deadline = 0;
-  if constexpr (!kGather) {
+  if constexpr (!kGather && !kAllToAll) {
     const uint32_t peers = peers_of(a);
     char* const mine = kTwoShot ? out + r * a.stride_bytes : out;  // our reduced shard's place in the output
     if (second && first == 0 && !failed) send_call_word<W>(a, last_buffer, last_call);
@@ -563,18 +570,20 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
       __syncthreads();
     }
   }
-  if constexpr (kGather || kTwoShot) {
+  if constexpr (kGather || kTwoShot || kAllToAll) {
     if (second) calls_seen = 0, deadline = 0;  // another call, its call words yet to be seen
     for (size_t v = first; v < slots; v += stride) {
       const int t = int(v / slot);
       const size_t j = v % slot;
       if (j >= sh.chunks_of(t) || t == r) {
-        if (kGather && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
+        if (!kTwoShot && t == r && failed) store_poison(out + r * a.stride_bytes, j * kChunkBytes, sh.bytes_of(r), a.dtype);
         continue;
       }
       if (!failed) {
+        // Peer t's shard for us: at its own slot, or at ours for an all-to-all (chunk j of either).
+        const size_t c = kAllToAll ? r * slot + j : v;
         uint32_t got[W][kWireWords<F>];
-        failed = !receive<F, W>(a, s, last, last_buffer, last_call, v, 1u << t, calls_seen, deadline, got);
+        failed = !receive<F, W>(a, s, last, last_buffer, last_call, c, 1u << t, calls_seen, deadline, got);
         if (!failed) {
           uint32_t w[4];
 #pragma unroll
@@ -615,9 +624,11 @@ void dispatch_world(int world, F&& f) {
 
 const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
   const void* kernel = nullptr;
-  if (variant == Variant::kAllGather) {  // moves bits: one kernel for every dtype (sizes are the call's)
-    dispatch_world(world, [&]<int W>() {
-      kernel = reinterpret_cast<const void*>(sharded_kernel<DType::kInt32, ReduceOp::kSum, W, Collective::kAllGather>);
+  if (variant == Variant::kAllGather || variant == Variant::kAllToAll) {  // move bits: one kernel for every dtype
+    dispatch_world(world, [&]<int W>() {               // (sizes are the call's)
+      kernel = variant == Variant::kAllGather
+                   ? reinterpret_cast<const void*>(sharded_kernel<DType::kInt32, ReduceOp::kSum, W, Collective::kAllGather>)
+                   : reinterpret_cast<const void*>(sharded_kernel<DType::kInt32, ReduceOp::kSum, W, Collective::kAllToAll>);
     });
     return kernel;
   }
@@ -636,7 +647,8 @@ const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
         case Variant::kReduceScatter:
           kernel = reinterpret_cast<const void*>(sharded_kernel<D, Op, W, Collective::kReduceScatter>);
           break;
-        case Variant::kAllGather: break;
+        case Variant::kAllGather:
+        case Variant::kAllToAll: break;
       }
     });
   });

@@ -217,7 +217,7 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return None
 
     def _gather_issue(self, comm, collective, output, input, op, stream) -> int:
-        """One all-gather or reduce-scatter through `comm`; returns its call number. Non-contiguous tensors go
+        """One all-gather, reduce-scatter or all-to-all through `comm`; returns its call number. Non-contiguous tensors go
         through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
         flat_in = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
         flat_out = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
@@ -280,6 +280,27 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """all_to_all_single: through rocenante where both splits are equal (a list empty, or world_size equal parts
+        of dim 0) and input and output match in dtype, shape and device, else the delegate. A pair that exchanges
+        a block shares its split, so ranks whose splits are all equal agree on them; a program whose splits are
+        equal on some ranks only leaves those ranks waiting for the others on rocenante until the timeout, which
+        names them (docs/guarantees.md)."""
+        world = self.size()
+        comm = None
+        if _equal_splits(input, input_split_sizes, world) and _equal_splits(output, output_split_sizes, world) \
+                and output.dtype == input.dtype and output.shape == input.shape and output.device == input.device:
+            comm = self._eligible(input, "sum", "all_to_all")
+        if comm is None:
+            return self._delegate(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                                       *_given(opts))
+        stream = comm.current_stream()
+        call = self._gather_issue(comm, "all_to_all", output, input, "sum", stream)
+        return _Work([output], comm, stream, call) if output.is_cuda else _Work([output])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """all_gather into a list: equal-size tensors of one input go through one all-gather into a flat tensor,
@@ -378,6 +399,14 @@ def _copy_back(t: torch.Tensor, dense: torch.Tensor) -> None:
         t.copy_(dense)
 
 
+def _equal_splits(t: torch.Tensor, splits, world: int) -> bool:
+    """Whether all_to_all_single's `splits` of `t` cut dim 0 into `world` equal blocks (an empty list: torch's
+    spelling of that)."""
+    if t.dim() == 0 or t.shape[0] % world != 0:
+        return False
+    return len(splits) == 0 or (len(splits) == world and all(int(n) == t.shape[0] // world for n in splits))
+
+
 def _given(opts) -> list:
     """The options argument to pass on: none when the caller gave none (the delegate's default)."""
     return [] if opts is None else [opts]
@@ -386,9 +415,9 @@ def _given(opts) -> list:
 # Every collective rocenante does not serve, under the names of every torch version it supports: the group's
 # fault first (_delegate), then the delegate of the device of the tensor at `where` among the arguments
 # (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
-# and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, and the
-# all-gathers and reduce-scatters, single and coalesced (also under both names), which rocenante serves where it
-# can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
+# and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, the
+# all-gathers and reduce-scatters, single and coalesced (also under both names), and all_to_all_single, which
+# rocenante serves where it can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
 # class lacks, the trampoline calls the delegate from C++ holding the GIL, and a gloo worker that frees a finished
 # work (holding its queue lock) and needs the GIL to free a tensor's Python object deadlocks with it
 # (docs/guarantees.md; tests/cpu/test_real_clients.py, test_collectives_proceed_while_gloo_waits_for_the_gil).
@@ -401,8 +430,6 @@ _DELEGATED = {  # process group's name: (backend's name, where)
     "scatter": ("scatter", (0, 0)),
     "reduce_scatter": ("reduce_scatter", (0, 0)),
     "alltoall": ("alltoall", (1, 0)),
-    "alltoall_base": ("alltoall_base", (1, None)),
-    "all_to_all_single": ("alltoall_base", (1, None)),
     "send": ("send", (0, 0)),
     "recv": ("recv", (0, 0)),
     "recv_anysource": ("recv_anysource", (0, 0)),

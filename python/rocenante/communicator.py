@@ -340,6 +340,21 @@ class Communicator:
         self._launch(x, out, op, self.current_stream(), "reduce_scatter")
         return out
 
+    def all_to_all(self, x, out=None):
+        """Sends block ``p`` of ``x`` to rank ``p`` and returns what every rank sent this one: ``x`` is
+        ``world_size`` equal blocks along dim 0 (``x.shape[0]`` must be a multiple of ``world_size``), and block
+        ``s`` of ``out`` (a new tensor shaped as ``x`` if None; may be ``x`` itself, in place) is block ``rank`` of
+        rank ``s``'s ``x``. Every bit is returned as given (-0.0 and NaN payloads included). Dtypes, devices, pieces
+        and faults as :meth:`all_reduce`."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError(f"all_to_all takes a torch.Tensor of at least one dimension, got {_describe(x)}")
+        if x.shape[0] % self.world_size != 0:
+            raise ValueError(f"all_to_all of {_describe(x)}: dim 0 must be a multiple of the world size "
+                             f"{self.world_size}")
+        out = self._check(x, out, tuple(x.shape), "all_to_all")
+        self._launch(x, out, "sum", self.current_stream(), "all_to_all")
+        return out
+
     @property
     def two_shot_from_bytes(self) -> Optional[int]:
         """The size from which :meth:`all_reduce` goes two-shot (None: never), as every rank agreed at startup;
@@ -354,17 +369,17 @@ class Communicator:
     @property
     def collectives(self) -> tuple:
         """The collectives this communicator serves."""
-        return ("all_reduce", "all_gather", "reduce_scatter")
+        return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
     def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None, out: Optional[torch.Tensor] = None,
               collective: str = "all_reduce") -> int:
         """``collective`` on ``stream`` (a raw CUDA stream handle; by default the current stream), checked alike:
-        :meth:`all_reduce` of ``x`` into ``x`` itself, or :meth:`all_gather` or :meth:`reduce_scatter` of a 1-D
-        ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow their calls one by one
+        :meth:`all_reduce` of ``x`` into ``x`` itself, or :meth:`all_gather`, :meth:`reduce_scatter` or
+        :meth:`all_to_all` of a 1-D ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow their calls one by one
         (:meth:`faulted_by`, as the backend's Work does)."""
         out = x if out is None else out
         shape = {"all_reduce": tuple(x.shape), "all_gather": (self.world_size * x.numel(),),
-                 "reduce_scatter": (x.numel() // self.world_size,)}[collective]
+                 "reduce_scatter": (x.numel() // self.world_size,), "all_to_all": (x.numel(),)}[collective]
         self._check(x, out, shape, collective)
         return self._launch(x, out, op, self.current_stream() if stream is None else stream, collective)
 
@@ -385,6 +400,9 @@ class Communicator:
         if collective == "reduce_scatter":
             return self._c.reduce_scatter(x.data_ptr(), out.data_ptr(), out.numel(), _DTYPES[x.dtype],
                                           _lookup_op(op), stream)
+        if collective == "all_to_all":
+            return self._c.all_to_all(x.data_ptr(), out.data_ptr(), x.numel() // self.world_size, _DTYPES[x.dtype],
+                                      stream)
         return self._c.all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], _lookup_op(op), stream)
 
     def _all_reduce_cuda_array(self, x, op, out):

@@ -116,13 +116,28 @@ def _every_collective(store, rank, world):
     assert torch.equal(big, torch.arange(world).float().repeat_interleave(threshold // 4 + 1))
     assert len(calls) == before + 5, "a collective past the threshold must go to gloo"
 
+    # all_to_all_single: equal splits (none given, or given equal) on rocenante; unequal ones to gloo.
+    before = len(calls)
+    a2a_out = torch.empty(world)
+    dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
+    assert torch.equal(a2a_out, torch.arange(world).float() * 10 + rank)
+    a2a_out = torch.empty(2 * world, 3, dtype=torch.bfloat16)
+    a2a_in = (torch.arange(6.0 * world).reshape(2 * world, 3) + 100 * rank).to(torch.bfloat16)
+    dist.all_to_all_single(a2a_out, a2a_in, [2] * world, [2] * world)
+    assert torch.equal(a2a_out, torch.cat([(torch.arange(6.0 * world).reshape(2 * world, 3) + 100 * s)[2 * rank:2 * rank + 2]
+                                           for s in range(world)]).to(torch.bfloat16))
+    assert len(calls) == before + 2, "all_to_all_single of equal splits must reach the communicator"
+    sizes = [1 + (rank + p) % 2 for p in range(world)]  # rank r sends 1 + (r + p) % 2 rows to p, and gets as many
+    a2a_out = torch.empty(sum(sizes))
+    dist.all_to_all_single(a2a_out, torch.cat([torch.full((n,), float(10 * rank + p)) for p, n in enumerate(sizes)]),
+                           sizes, sizes)
+    assert torch.equal(a2a_out, torch.cat([torch.full((n,), float(10 * s + rank)) for s, n in enumerate(sizes)]))
+    assert len(calls) == before + 2, "all_to_all_single of unequal splits must go to gloo"
+
     # Every other collective, delegated.
     t = torch.full((4,), float(rank))
     dist.broadcast(t, src=world - 1)
     assert torch.equal(t, torch.full((4,), float(world - 1)))
-    a2a_out = torch.empty(world)
-    dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
-    assert torch.equal(a2a_out, torch.arange(world).float() * 10 + rank)
     lists_out = [torch.empty(1) for _ in range(world)]
     try:
         dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)]) for r in range(world)])

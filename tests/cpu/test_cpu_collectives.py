@@ -1,6 +1,6 @@
-"""All-gather, reduce-scatter and two-shot all-reduce between processes of one host with CPU tensors (protocol v3,
-csrc/layout.h: Shards): over shared memory, and where a test takes `net`, over the TCP software wire too. Each
-result is checked bit for bit against a reference every rank can compute, and across ranks."""
+"""All-gather, reduce-scatter, all-to-all and two-shot all-reduce between processes of one host with CPU tensors
+(protocol v5, csrc/layout.h: Shards): over shared memory, and where a test takes `net`, over the TCP software wire
+too. Each result is checked bit for bit against a reference every rank can compute, and across ranks."""
 
 from __future__ import annotations
 
@@ -69,6 +69,52 @@ def test_all_gather_and_reduce_scatter_match_references_bit_for_bit(net, world):
     assert all(r == results[0] for r in results[1:]), "ranks gathered different bits"
 
 
+def _blocks(seed: int, case: int, rank: int, world: int, numel: int, dtype) -> torch.Tensor:
+    """Rank `rank`'s all-to-all input: `world` blocks of `numel` elements of any bits, each block starting with
+    -0.0 or a NaN (random_bits())."""
+    return torch.cat([random_bits(seed, case, rank * world + b, numel, dtype) for b in range(world)])
+
+
+def _all_to_all(store, rank, world, seed, net):
+    digests = []
+    case = 0
+    with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net) as comm:
+        for dtype in DTYPES:
+            for numel in _per_rank_sizes(seed, dtype, world):  # elements of a block
+                case += 1
+                inputs = [_blocks(seed, case, r, world, numel, dtype).reshape(world * numel, 1) for r in range(world)]
+                x = inputs[rank].clone()
+                if case % 3 == 0:  # in place
+                    got = comm.all_to_all(x, out=x)
+                else:
+                    got = comm.all_to_all(x, out=poison(torch.empty_like(x)))
+                    assert torch.equal(bits(x), bits(inputs[rank])), "the input was modified"
+                want = torch.cat([t[rank * numel:(rank + 1) * numel] for t in inputs])
+                assert got.shape == x.shape and torch.equal(bits(got), bits(want)), f"all_to_all {dtype} n={numel}"
+                digests.append(digest(got))
+        # A dim 0 the blocks do not divide is refused alike on every rank: the communicator stays usable.
+        with pytest.raises(ValueError, match="multiple of the world size"):
+            comm.all_to_all(torch.ones(world + 1))
+        assert torch.equal(comm.all_to_all(torch.full((world,), float(rank))), torch.arange(world, dtype=torch.float32))
+    return digests
+
+
+@cases("net, world", ("", 2), ("", 3), ("", 4), ("tcp", 2), ("tcp", 3))
+def test_all_to_all_returns_every_peers_block_bit_for_bit(net, world):
+    seed = 4100 + world
+    results = expect_ok(run_ranks(world, _all_to_all, seed, net, timeout=240))
+    # Each rank checked its output; here, from the inputs alone, what each rank's output must have been.
+    for rank, got in enumerate(results):
+        want, case = [], 0
+        for dtype in DTYPES:
+            for numel in _per_rank_sizes(seed, dtype, world):
+                case += 1
+                blocks = [_blocks(seed, case, s, world, numel, dtype)[rank * numel:(rank + 1) * numel]
+                          for s in range(world)]
+                want.append(digest(torch.cat(blocks).reshape(world * numel, 1)))
+        assert got == want, f"rank {rank} received other blocks than its peers sent it"
+
+
 def _two_shot(store, rank, world, seed, net):
     digests = []
     case = 0
@@ -112,6 +158,8 @@ def _mismatch(store, rank, world, calls):
         try:
             if calls[rank] == "all_gather":
                 comm.all_gather(x, out=out)
+            elif calls[rank] == "all_to_all":
+                comm.all_to_all(x, out=out)
             elif calls[rank] == "reduce_scatter":
                 out = poison(torch.empty(8))
                 comm.reduce_scatter(x, out=out)
@@ -123,7 +171,8 @@ def _mismatch(store, rank, world, calls):
 
 
 @pytest.mark.parametrize("calls", [("all_gather", "all_reduce"), ("reduce_scatter", "all_reduce"),
-                                   ("reduce_scatter", "all_gather")], ids="-vs-".join)
+                                   ("reduce_scatter", "all_gather"), ("all_to_all", "all_reduce"),
+                                   ("all_to_all", "reduce_scatter")], ids="-vs-".join)
 def test_a_different_collective_is_named_on_every_rank(calls):
     world = 2
     results = expect_ok(run_ranks(world, _mismatch, calls, timeout=120))

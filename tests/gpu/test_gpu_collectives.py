@@ -1,6 +1,6 @@
-"""All-gather, reduce-scatter and two-shot all-reduce on GPUs (sharded_kernel, csrc/device/collective_kernels.cu):
-every dtype and op at slot and piece edges, bit for bit against references every rank computes, in CUDA graphs,
-with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece is two calls of the
+"""All-gather, reduce-scatter, all-to-all and two-shot all-reduce on GPUs (sharded_kernel,
+csrc/device/collective_kernels.cu): every dtype and op at slot and piece edges, bit for bit against references every
+rank computes, in CUDA graphs, with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece is two calls of the
 protocol, a reduce-scatter and an all-gather, made by one launch). Worlds 2 to 8 on whatever GPUs there are
 (tests/support/gpus.py)."""
 
@@ -58,6 +58,12 @@ def _every_collective(store, rank, world, seed, net):
             if not torch.equal(bits(out.cpu()), bits(torch.cat(shards))):
                 raise AssertionError(f"all_gather {dtype} n={numel}")
             checked += 1
+            case += 1
+            blocks = [random_bits(seed, case, r, world * numel, dtype) for r in range(world)]
+            x = blocks[rank].to(dev)
+            got = comm.all_to_all(x, out=x if case % 3 == 0 else poison(torch.empty_like(x)))
+            if not torch.equal(bits(got.cpu()), bits(torch.cat([b[rank * numel:(rank + 1) * numel] for b in blocks]))):
+                raise AssertionError(f"all_to_all {dtype} n={numel}")
             for op in ops_for(dtype):
                 case += 1
                 inputs = [make_input(seed, case, r, world * numel, dtype) for r in range(world)]
@@ -91,11 +97,13 @@ def _graph(store, rank, world, net, replays):
     x = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
     shard = torch.empty(n, dtype=torch.bfloat16, device=dev)
     gathered, scattered, summed = torch.empty_like(x), torch.empty_like(shard), torch.empty_like(x)
+    exchanged = torch.empty_like(x)
 
     def calls():
         comm.all_gather(shard, out=gathered)
         comm.reduce_scatter(x, out=scattered)
         comm.all_reduce(x, out=summed)
+        comm.all_to_all(x, out=exchanged)
 
     stream = torch.cuda.Stream(dev)
     stream.wait_stream(torch.cuda.current_stream(dev))
@@ -110,14 +118,15 @@ def _graph(store, rank, world, net, replays):
         shards = [random_bits(i, 1, r, n, torch.bfloat16) for r in range(world)]
         x.copy_(inputs[rank])
         shard.copy_(shards[rank])
-        for t in (gathered, scattered, summed):
+        for t in (gathered, scattered, summed, exchanged):
             poison(t)
         graph.replay()
         torch.cuda.synchronize()
         want = reduced(inputs, "sum")
         if not torch.equal(bits(gathered.cpu()), bits(torch.cat(shards))) \
                 or not torch.equal(bits(scattered.cpu()), bits(want[rank * n:(rank + 1) * n])) \
-                or not torch.equal(bits(summed.cpu()), bits(want)):
+                or not torch.equal(bits(summed.cpu()), bits(want)) \
+                or not torch.equal(bits(exchanged.cpu()), bits(torch.cat([t[rank * n:(rank + 1) * n] for t in inputs]))):
             raise AssertionError(f"replay {i} gave a wrong result")
     comm.synchronize()
     comm.close()
@@ -165,31 +174,34 @@ def test_a_two_shot_piece_is_one_launch(net, world, monkeypatch):
         assert advance == 3 * (2 if net else 1), f"rank {rank}: call numbers advanced by {advance}"
 
 
-def _mismatch(store, rank, world, net):
+def _mismatch(store, rank, world, net, first):
     import rocenante
 
     comm = _comm(store, rank, world, net)
     dev = gpus.device_of(rank)
     out = torch.empty(world * 64, device=dev)
     try:
-        if rank == 0:
+        if rank == 0 and first == "all_gather":
             comm.all_gather(torch.ones(64, device=dev), out=out)
+        elif rank == 0:  # an all-to-all of as many elements as the all-reduce: only the call word tells them apart
+            comm.all_to_all(torch.ones(world * 64, device=dev), out=out)
         else:
             comm.all_reduce(torch.ones(world * 64, device=dev), out=out)
         comm.synchronize()
     except rocenante.CallMismatchError as err:
-        # Every element the call could not compute is poison: all of an all-reduce's; all of an all-gather's but
-        # this rank's own part, which it copied without any peer's data.
+        # Every element the call could not compute is poison: all of an all-reduce's; all of an all-gather's or
+        # all-to-all's but this rank's own part, which it copied without any peer's data.
         if rank == 0:
             out[:64] = float("nan")
         return str(err), bool(torch.isnan(out).all())
     return "no error", False
 
 
+@pytest.mark.parametrize("first", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_different_collective_is_named_and_poisons(net, world):
-    results = expect_ok(run_ranks(world, _mismatch, net, timeout=300))
+def test_a_different_collective_is_named_and_poisons(net, world, first):
+    results = expect_ok(run_ranks(world, _mismatch, net, first, timeout=300))
     for rank, (message, poisoned) in enumerate(results):
-        assert "made a different call" in message or "called all_gather with" in message \
+        assert "made a different call" in message or f"called {first} with" in message \
             or "called all_reduce with" in message, f"rank {rank}: {message}"
         assert poisoned, f"rank {rank}: the output of the mismatched call is not all poison"

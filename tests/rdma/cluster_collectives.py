@@ -3,7 +3,8 @@ management network: builds a rocenante communicator with nothing forced (every p
 RDMA, each by the route that reaches it), checks that each peer went through a device on a link that reaches it
 (CLUSTER_PEERS) or, without a link, through a forwarded route, and that every collective is exact in every dtype
 and op, within a piece and across pieces: all-reduces and reduce-scatters against the rank-order fp32 result (and
-float64), all-gathers bit for bit on any bits, every rank's results bitwise equal. `unrouted`: the setup must fail on every rank naming
+float64), all-gathers and all-to-alls bit for bit on any bits, every rank's results bitwise equal (all-to-alls differ
+by rank: each checks its own). `unrouted`: the setup must fail on every rank naming
 the pairs no route joins. Prints `cluster_collectives: ok` and exits 0 when all held.
 
   torchrun --nnodes $NNODES --nproc-per-node 1 --node-rank $NODE_RANK --master-addr $MASTER_ADDR \\
@@ -82,6 +83,11 @@ def main() -> int:
                 if not torch.equal(bits(out), bits(reduced(inputs, op)[rank * numel:(rank + 1) * numel])):
                     wrong.append(f"case {case}: reduce_scatter {dtype} {op} {numel}: not the rank-order result")
                 case += 1
+            blocks = [random_bits(seed, case, r, world * numel, dtype) for r in range(world)]
+            out = comm.all_to_all(blocks[rank], out=poison(torch.empty(world * numel, dtype=dtype)))
+            if not torch.equal(bits(out), bits(torch.cat([b[rank * numel:(rank + 1) * numel] for b in blocks]))):
+                wrong.append(f"case {case}: all_to_all {dtype} {numel}: not every peer's block, bit for bit")
+            case += 1
     everyone = [None] * world
     dist.all_gather_object(everyone, digests)
     if any(d != everyone[0] for d in everyone):

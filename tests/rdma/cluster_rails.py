@@ -49,11 +49,12 @@ def interface_of(device: str) -> str:
 
 
 def exact_calls(comm, rank, world, wrong, seed):
-    """All-reduce, all-gather and reduce-scatter around the stripe size (32 KiB a span) and across pieces."""
+    """All-reduce, all-gather, reduce-scatter and all-to-all around the stripe size (32 KiB a span) and across
+    pieces."""
     digests, case = [], 0
     for numel in (7, 8188, 8192, 8195, 16411, CAPACITY // 4 + 13, 3 * CAPACITY // 4 + 1):
-        for collective in ("all_reduce", "all_gather", "reduce_scatter"):
-            n = numel - numel % world if collective == "reduce_scatter" else numel
+        for collective in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            n = numel - numel % world if collective in ("reduce_scatter", "all_to_all") else numel
             inputs = [make_input(seed, case, r, n, torch.float32) for r in range(world)]
             if collective == "all_reduce":
                 out, want = poison(torch.empty(n)), sequential_fp32(inputs, "sum")
@@ -61,12 +62,15 @@ def exact_calls(comm, rank, world, wrong, seed):
             elif collective == "all_gather":
                 out, want = poison(torch.empty(world * n)), torch.cat(inputs)
                 comm.all_gather(inputs[rank], out=out)
-            else:
+            elif collective == "reduce_scatter":
                 out, want = poison(torch.empty(n // world)), reduced(inputs, "sum")[rank * (n // world):(rank + 1) * (n // world)]
                 comm.reduce_scatter(inputs[rank], out=out)
+            else:
+                out, want = poison(torch.empty(n)), torch.cat([x.chunk(world)[rank] for x in inputs])
+                comm.all_to_all(inputs[rank], out=out)
             if not torch.equal(out, want):
                 wrong.append(f"{collective} of {n} floats: not exact")
-            if collective != "reduce_scatter":  # its output is each rank's own shard
+            if collective in ("all_reduce", "all_gather"):  # the others' outputs differ by rank
                 digests.append(digest(out))
             case += 1
     return digests

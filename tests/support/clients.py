@@ -296,7 +296,7 @@ CELLS = [
     Cell("funcol_reduce_scatter", funcol_reduce_scatter, SERVED),
     Cell("funcol_all_gather_coalesced", funcol_all_gather_coalesced, SERVED),
     Cell("funcol_reduce_scatter_coalesced", funcol_reduce_scatter_coalesced, SERVED),
-    Cell("funcol_all_to_all_single", funcol_all_to_all_single, DELEGATED, graph_ok=False),
+    Cell("funcol_all_to_all_single", funcol_all_to_all_single, SERVED),
     Cell("funcol_broadcast", funcol_broadcast, DELEGATED, graph_ok=False),
     Cell("funcol_all_reduce_coalesced", funcol_all_reduce_coalesced, DELEGATED, graph_ok=False),
     Cell("funcol_coalesced_delegated", funcol_coalesced_delegated, DELEGATED, graph_ok=False),
