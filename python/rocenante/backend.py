@@ -302,6 +302,26 @@ class RocenanteProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all of lists: where both lists hold world_size tensors of one dtype, device and element count,
+        one all-to-all of equal blocks through flat copies; else the delegate. The two ranks of each block share
+        its size, as for all_to_all_single's splits (alltoall_base())."""
+        world, t = self.size(), input_tensors[0]
+        alike = len(input_tensors) == world and len(output_tensors) == world and all(
+            x.dtype == t.dtype and x.device == t.device and x.numel() == t.numel()
+            for x in (*input_tensors, *output_tensors))
+        comm = self._eligible(t, "sum", "all_to_all", world * t.numel() * t.element_size()) if alike else None
+        if comm is None:
+            return self._delegate(t).alltoall(output_tensors, input_tensors, *_given(opts))
+        flat = torch.cat([x.reshape(-1) for x in input_tensors])
+        out = torch.empty_like(flat)
+        stream = comm.current_stream()
+        call = comm.issue(flat, "sum", stream, out=out, collective="all_to_all")
+        with torch.no_grad():  # on the current stream: after the all-to-all's kernel
+            for o, block in zip(output_tensors, out.chunk(world)):
+                o.copy_(block.view(o.shape))
+        return _Work(list(output_tensors), comm, stream, call) if t.is_cuda else _Work(list(output_tensors))
+
     def allgather(self, output_tensors, input_tensors, opts=None):
         """all_gather into a list: equal-size tensors of one input go through one all-gather into a flat tensor,
         then into the list; anything else (several inputs, sizes or dtypes that differ) to the delegate."""
@@ -416,8 +436,8 @@ def _given(opts) -> list:
 # fault first (_delegate), then the delegate of the device of the tensor at `where` among the arguments
 # (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
 # and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, the
-# all-gathers and reduce-scatters, single and coalesced (also under both names), and all_to_all_single, which
-# rocenante serves where it can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
+# all-gathers and reduce-scatters, single and coalesced (also under both names), and the all-to-alls (single and
+# of lists), which rocenante serves where it can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
 # class lacks, the trampoline calls the delegate from C++ holding the GIL, and a gloo worker that frees a finished
 # work (holding its queue lock) and needs the GIL to free a tensor's Python object deadlocks with it
 # (docs/guarantees.md; tests/cpu/test_real_clients.py, test_collectives_proceed_while_gloo_waits_for_the_gil).
@@ -429,7 +449,6 @@ _DELEGATED = {  # process group's name: (backend's name, where)
     "gather": ("gather", (1, 0)),
     "scatter": ("scatter", (0, 0)),
     "reduce_scatter": ("reduce_scatter", (0, 0)),
-    "alltoall": ("alltoall", (1, 0)),
     "send": ("send", (0, 0)),
     "recv": ("recv", (0, 0)),
     "recv_anysource": ("recv_anysource", (0, 0)),

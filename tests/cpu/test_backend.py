@@ -133,14 +133,18 @@ def _every_collective(store, rank, world):
                            sizes, sizes)
     assert torch.equal(a2a_out, torch.cat([torch.full((n,), float(10 * s + rank)) for s, n in enumerate(sizes)]))
     assert len(calls) == before + 2, "all_to_all_single of unequal splits must go to gloo"
+    lists_out = [torch.empty(2, dtype=torch.int32) for _ in range(world)]
+    dist.all_to_all(lists_out, [torch.tensor([rank * 10 + p, -1], dtype=torch.int32) for p in range(world)])
+    assert [v.tolist() for v in lists_out] == [[s * 10 + rank, -1] for s in range(world)]
+    assert len(calls) == before + 3, "all_to_all of equal-size lists must reach the communicator"
 
     # Every other collective, delegated.
     t = torch.full((4,), float(rank))
     dist.broadcast(t, src=world - 1)
     assert torch.equal(t, torch.full((4,), float(world - 1)))
-    lists_out = [torch.empty(1) for _ in range(world)]
+    lists_out = [torch.empty(1, dtype=torch.float64) for _ in range(world)]  # a dtype rocenante lacks: the delegate's
     try:
-        dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)]) for r in range(world)])
+        dist.all_to_all(lists_out, [torch.tensor([float(rank * 10 + r)], dtype=torch.float64) for r in range(world)])
     except RuntimeError as err:  # older torch's gloo has no list all_to_all: the delegate's own error surfaces
         assert "gloo does not support alltoall" in str(err), err
     else:

@@ -77,6 +77,10 @@ def _one_call(comm, collective, rank, world, i):
         out = torch.empty(world * n)
         return out, torch.cat([torch.full((n,), value(r)) for r in range(world)]), \
             lambda: comm.all_gather(torch.full((n,), value(rank)), out=out)
+    if collective == "all_to_all":  # block p of rank r: value(r) + 100 p
+        out = torch.empty(world * n)
+        return out, torch.cat([torch.full((n,), value(s) + 100 * rank) for s in range(world)]), \
+            lambda: comm.all_to_all(torch.cat([torch.full((n,), value(rank) + 100 * p) for p in range(world)]), out=out)
     total = torch.full((n,), sum(value(r) for r in range(world)))
     if collective == "reduce_scatter":
         out = torch.empty(n)
@@ -116,7 +120,8 @@ def _victim_loop(store, rank, world, net, how, timeout_s, collective):
 
 
 # One-shot all-reduces at worlds 2 and 3; the sharded collectives at world 3.
-VICTIM_CASES = [(2, "all_reduce"), (3, "all_reduce"), (3, "two_shot"), (3, "reduce_scatter"), (3, "all_gather")]
+VICTIM_CASES = [(2, "all_reduce"), (3, "all_reduce"), (3, "two_shot"), (3, "reduce_scatter"), (3, "all_gather"),
+                (3, "all_to_all")]
 
 
 def _victim_case(collective):

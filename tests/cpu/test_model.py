@@ -71,6 +71,11 @@ def test_algorithms_hand_computed():
         assert algo(HAND, 1, 4000) == 0
     # The same bytes either way: one-shot is ahead at every size.
     assert allreduce.crossover(HAND, 8, allreduce.shard_one_shot, allreduce.shard_ring) is None
+    # All-to-all of 4000 B a rank: 3 blocks of 1000 B (one a peer), or 3 peers x 4000 B (the whole span each).
+    assert allreduce.ALL_TO_ALL_ALGORITHMS["one-shot, own block"](HAND, 4, 4000) * us == pytest.approx(3 + 3 * 1)
+    assert allreduce.all_to_all_whole_span(HAND, 4, 4000) * us == pytest.approx(3 + 3 * 4)
+    for algo in allreduce.ALL_TO_ALL_ALGORITHMS.values():
+        assert algo(HAND, 1, 4000) == 0
 
 
 def test_profiles_follow_the_published_microbenchmarks():
@@ -133,7 +138,8 @@ def test_committed_results_are_what_the_model_computes(tmp_path):
     fresh = json.loads((tmp_path / "m.json").read_text())
     with open(os.path.join(ROOT, "benchmarks", "results", "scaling-model.json")) as f:
         committed = json.load(f)
-    for key in ("profiles", "latency_us", "all_gather_reduce_scatter_latency_us", "rails_latency_us",
+    for key in ("profiles", "latency_us", "all_gather_reduce_scatter_latency_us", "all_to_all_latency_us",
+                "rails_latency_us",
                 "crossover_bytes", "decode"):
         assert _to_12_digits(fresh[key]) == _to_12_digits(committed[key]), key
 

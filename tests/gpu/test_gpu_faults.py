@@ -205,14 +205,17 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
     on_path(comm, net)
     dev = gpus.device_of(rank)
     n, calls = 4099, 10
-    ins = [torch.empty(world * n if collective == "reduce_scatter" else n, device=dev) for _ in range(calls)]
-    outs = [torch.empty(world * n if collective == "all_gather" else n, device=dev) for _ in range(calls)] \
-        if collective in ("all_gather", "reduce_scatter") else ins  # all-reduces in place
+    blocks = collective == "all_to_all"  # every block of a rank's input holds its value: block s of out, rank s's
+    ins = [torch.empty(world * n if collective == "reduce_scatter" or blocks else n, device=dev) for _ in range(calls)]
+    outs = [torch.empty(world * n if collective == "all_gather" or blocks else n, device=dev) for _ in range(calls)] \
+        if collective in ("all_gather", "reduce_scatter", "all_to_all") else ins  # all-reduces in place
 
     def issue():
         for x, y in zip(ins, outs):
             if collective == "all_gather":
                 comm.all_gather(x, out=y)
+            elif blocks:
+                comm.all_to_all(x, out=y)
             elif collective == "reduce_scatter":
                 comm.reduce_scatter(x, out=y)
             else:
@@ -236,7 +239,7 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
     i = 0
     while time.monotonic() < deadline:
         base = [float(r + 1 + i % 5) for r in range(world)]  # small integers: the sum is exact
-        want = torch.cat([torch.full((n,), b, device=dev) for b in base]) if collective == "all_gather" \
+        want = torch.cat([torch.full((n,), b, device=dev) for b in base]) if collective == "all_gather" or blocks \
             else torch.full((n,), float(sum(base)), device=dev)
         for x in ins:
             x.fill_(base[rank])
@@ -249,7 +252,7 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
         if first_nan is not None and not bool(nan.all()):
             raise AssertionError(f"replay {i}, after the first NaN replay {first_nan}, is not all NaN")
         # A faulted sharded call poisons its whole output (docs/guarantees.md), the parts computed before the fault
-        # (an all-gather's own shard) too; one-shot's elements are each exact or NaN.
+        # (an all-gather's or all-to-all's own shard) too; one-shot's elements are each exact or NaN.
         partial = nan.any(dim=1) & ~nan.all(dim=1)
         if collective != "all_reduce" and bool(partial.any()):
             raise AssertionError(f"replay {i}: a faulted call's output is part NaN, part data")
@@ -270,7 +273,7 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
 
 
 # The one-shot all-reduce, and the collectives that cut the tensor into shards.
-GRAPH_COLLECTIVES = ["all_reduce", "two_shot", "reduce_scatter", "all_gather"]
+GRAPH_COLLECTIVES = ["all_reduce", "two_shot", "reduce_scatter", "all_gather", "all_to_all"]
 
 
 def _graph_case(net, collective, monkeypatch) -> str:

@@ -29,6 +29,9 @@ def _size(text: str) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m rocenante.bench", description=__doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--collective", choices=["all_reduce", "all_to_all"], default="all_reduce",
+                   help="all_reduce (sum), or all_to_all of world_size equal blocks (all_to_all_single for the "
+                        "torch.distributed arms)")
     p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU, or 2 on CPU)")
     p.add_argument("--min-bytes", type=_size, default=None, help="default 256 on GPU, 1K on CPU")
     p.add_argument("--max-bytes", type=_size, default=None, help="default 64M on GPU, 1M on CPU")
@@ -41,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=25,
                    help=f"measurements (graph replays or eager loops) per arm, size and mode, at least "
                         f"{runner.MIN_ROUNDS} (default 25)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json, "
+                   "all_to_all: <device>-<ranks>r-all-to-all.json)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--calibration", default=None,
                    help="also write a scaling-model calibration file (python -m rocenante.model --calibration) "
@@ -60,10 +64,12 @@ def parse_args(argv=None):
     if gpu and a.ranks > torch.cuda.device_count() and "LOCAL_WORLD_SIZE" not in os.environ:
         p.error(f"{a.ranks} ranks need {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
     if a.ranks < 2:
-        p.error("an all-reduce benchmark needs at least 2 ranks")
+        p.error("a benchmark needs at least 2 ranks")
+    if a.calibration and a.collective != "all_reduce":
+        p.error("--calibration fits the all-reduce model: it needs --collective all_reduce")
     if a.rounds < runner.MIN_ROUNDS:
         p.error(f"--rounds {a.rounds}: p10 and p90 need at least {runner.MIN_ROUNDS} measurements")
-    known = arms.NAMES[a.device]
+    known = [x for x in arms.NAMES[a.device] if a.collective == "all_reduce" or x not in arms.ALL_REDUCE_ONLY]
     a.arms = [x for x in a.arms.split(",") if x]
     unknown = [x for x in a.arms if x not in known]
     if unknown:
@@ -103,14 +109,15 @@ def main(argv=None) -> int:
         sizes.append(b)
         b *= a.size_factor
     cfg = {
-        "device": a.device, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes, "rounds": a.rounds,
+        "device": a.device, "collective": a.collective, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes,
+        "rounds": a.rounds,
         "arms": a.arms, "max_bytes": a.max_bytes,
         "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
     }
     load_before = os.getloadavg()
     if "LOCAL_WORLD_SIZE" in os.environ:
         return _under_torchrun(a, cfg, load_before)
-    print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {a.ranks} ranks on {a.device}", flush=True)
+    print(f"rocenante {rocenante.__version__}: {a.collective} benchmark, {a.ranks} ranks on {a.device}", flush=True)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,8 +176,8 @@ def _under_torchrun(a, cfg: dict, load_before: tuple) -> int:
               file=sys.stderr, flush=True)
         return 2
     if rank == 0:
-        print(f"rocenante {rocenante.__version__}: all_reduce benchmark, {world} ranks on {a.device} under torchrun",
-              flush=True)
+        print(f"rocenante {rocenante.__version__}: {a.collective} benchmark, {world} ranks on {a.device} under "
+              "torchrun", flush=True)
     store, _, _ = next(dist.rendezvous("env://"))
     published = {}
     runner.worker(store, rank, world, cfg, published.update, local_rank)
@@ -193,7 +200,8 @@ def _report(a, cfg: dict, out: dict, world: int, load_before: tuple) -> int:
     }
     print()
     print(report.format_tables(result))
-    path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{world}r.json")
+    suffix = "" if a.collective == "all_reduce" else "-all-to-all"
+    path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{world}r{suffix}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     report.write_json(result, path)
     if a.calibration:

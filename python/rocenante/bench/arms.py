@@ -1,5 +1,6 @@
-"""The all-reduce implementations a benchmark compares. Each arm allocates the buffers of one (dtype, size) and
-runs one all-reduce on them; the runner times back-to-back calls, captured in a CUDA graph or called eagerly."""
+"""The implementations of a collective (all-reduce, or all-to-all of equal blocks) a benchmark compares. Each arm
+allocates the buffers of one (dtype, size) and runs one call on them; the runner times back-to-back calls,
+captured in a CUDA graph or called eagerly."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ NAMES = {
 # Run only when --arms names them (not part of the default "all"): rocenante_net_tcp's proxy thread polls
 # beside the other arms.
 ON_REQUEST = ["rocenante_net_tcp"]
+# The arms that serve only all-reduces.
+ALL_REDUCE_ONLY = ["symm_mem_one_shot", "symm_mem_two_shot"]
 
 
 class Arm:
@@ -26,7 +29,8 @@ class Arm:
         self.ctx = ctx  # rank, world, device, communicator
 
     def call(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One all-reduce (sum) of x; returns the tensor that holds the result (x, y or a new one)."""
+        """One call of the benchmark's collective (an all-reduce: a sum) on x; returns the tensor that holds the
+        result (x, y or a new one)."""
         raise NotImplementedError
 
     def prepare(self, numel: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,14 +44,16 @@ class Arm:
 
 
 class Rocenante(Arm):
-    """A communicator's all_reduce: "rocenante" (direct: CUDA IPC or shared memory), or "rocenante_net_tcp" (the
-    network path through the TCP software wire)."""
+    """A communicator's all_reduce or all_to_all: "rocenante" (direct: CUDA IPC or shared memory), or
+    "rocenante_net_tcp" (the network path through the TCP software wire)."""
 
     def __init__(self, ctx, name="rocenante"):
         super().__init__(ctx)
         self.name = name
 
     def call(self, x, y):
+        if self.ctx.collective == "all_to_all":
+            return self.ctx.comm.all_to_all(x, out=y)
         self.ctx.comm.all_reduce(x, out=y)
         return y
 
@@ -58,7 +64,8 @@ class Rocenante(Arm):
 
 
 class Collective(Arm):
-    """torch.distributed all_reduce on a process group (NCCL for CUDA tensors, gloo for CPU ones), in place."""
+    """torch.distributed on a process group (NCCL for CUDA tensors, gloo for CPU ones): all_reduce in place, or
+    all_to_all_single of equal splits into y."""
 
     def __init__(self, ctx, name, group):
         super().__init__(ctx)
@@ -66,6 +73,9 @@ class Collective(Arm):
         self.group = group
 
     def call(self, x, y):
+        if self.ctx.collective == "all_to_all":
+            dist.all_to_all_single(y, x, group=self.group)
+            return y
         dist.all_reduce(x, group=self.group)
         return x
 

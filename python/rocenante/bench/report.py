@@ -7,9 +7,10 @@ import json
 SCHEMA = "rocenante.bench/1"
 
 
-def bus_bandwidth(algbw: float, world: int) -> float:
-    """nccl-tests' bus bandwidth for all-reduce: what each link carries in a bandwidth-optimal ring."""
-    return algbw * 2 * (world - 1) / world
+def bus_bandwidth(algbw: float, world: int, collective: str = "all_reduce") -> float:
+    """nccl-tests' bus bandwidth: what each link carries in a bandwidth-optimal ring (all-reduce), or the part of
+    the data that leaves each rank (all-to-all)."""
+    return algbw * (2 if collective == "all_reduce" else 1) * (world - 1) / world
 
 
 def _table_keys(rows):
@@ -18,27 +19,30 @@ def _table_keys(rows):
 
 def format_tables(result: dict) -> str:
     rows, world = result["rows"], result["world_size"]
+    collective = result["config"].get("collective", "all_reduce")
+    redop = "sum" if collective == "all_reduce" else "none"
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     lines = []
     for dtype, mode in _table_keys(rows):
         sel = {(r["bytes"], r["arm"]): r for r in rows if r["dtype"] == dtype and r["mode"] == mode}
         sizes = sorted({b for b, _ in sel})
         present = [a for a in arms if any((b, a) in sel for b in sizes)]
-        lines.append(f"# all_reduce sum, {dtype}, {mode} mode, {world} ranks; time = median us per op (slowest rank)")
+        lines.append(f"# {collective} {'sum, ' if redop == 'sum' else ''}{dtype}, {mode} mode, {world} ranks; "
+                     "time = median us per op (slowest rank)")
         head = f"{'size(B)':>12} {'count':>11} {'type':>9} {'redop':>6}"
         for a in present:
             head += f" | {a[:18]:>18} {'algbw':>7} {'busbw':>7}"
         lines.append(head)
         for b in sizes:
             any_row = next(sel[(b, a)] for a in present if (b, a) in sel)
-            line = f"{b:>12} {any_row['count']:>11} {dtype:>9} {'sum':>6}"
+            line = f"{b:>12} {any_row['count']:>11} {dtype:>9} {redop:>6}"
             for a in present:
                 r = sel.get((b, a))
                 if r is None:
                     line += f" | {'-':>18} {'-':>7} {'-':>7}"
                     continue
                 algbw = b / r["median_us"] / 1e3  # GB/s
-                line += f" | {r['median_us']:>18.2f} {algbw:>7.2f} {bus_bandwidth(algbw, world):>7.2f}"
+                line += f" | {r['median_us']:>18.2f} {algbw:>7.2f} {bus_bandwidth(algbw, world, collective):>7.2f}"
             lines.append(line)
         lines.append("")
     return "\n".join(lines)
@@ -81,7 +85,7 @@ def plot(result: dict, path: str) -> None:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     prov = result["provenance"]
-    fig.suptitle(f"all_reduce, {result['world_size']} ranks, {prov.get('gpu') or prov.get('cpu')}; "
+    fig.suptitle(f"{result['config'].get('collective', 'all_reduce')}, {result['world_size']} ranks, {prov.get('gpu') or prov.get('cpu')}; "
                  f"rocenante {prov['git_revision'][:12]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

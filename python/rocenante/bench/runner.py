@@ -81,6 +81,13 @@ def check_input(seed: int, rank: int, numel: int, dtype, device) -> torch.Tensor
     return (k.to(torch.float32) / 8).to(dtype)
 
 
+def expected_blocks(seed: int, rank: int, world: int, numel: int, dtype, device) -> torch.Tensor:
+    """What an all-to-all of every rank's check input returns to `rank`: block `rank` of each rank's, in rank
+    order."""
+    n = numel // world
+    return torch.cat([check_input(seed, s, numel, dtype, device)[rank * n:(rank + 1) * n] for s in range(world)])
+
+
 def expected_sum(seed: int, world: int, numel: int, dtype, device) -> torch.Tensor:
     """The float64 sum of every rank's check input, in the dtype (exact, see _CHECK_MAX_K)."""
     if world > _CHECK_MAX_WORLD:
@@ -149,8 +156,9 @@ def method(cfg: dict, measured: dict) -> dict:
         "arm_order": "every arm interleaved in one run; round-robin order shifted by one arm every round",
         "statistic": "slower rank per measurement; median, p10 and p90 over measurements, per call",
         "timer": "CUDA events" if cfg["device"] == "cuda" else "host clock (time.perf_counter)",
-        "check": "every arm's output bitwise equal to " + ("NCCL's (itself equal to the float64 sum)"
-                 if cfg["device"] == "cuda" else "the float64 sum") + " once per dtype and size, before timing"
+        "check": "every arm's output bitwise equal to " + ("NCCL's (itself equal to the float64 sum, or to every "
+                 "rank's block for this rank)" if cfg["device"] == "cuda" else "the float64 sum (all-to-all: every "
+                 "rank's block for this rank)") + " once per dtype and size, before timing"
                  + ("" if cfg["device"] == "cuda" else "; memcpy, a single-core copy of the same bytes on every "
                     "rank at once, is a yardstick, timed like an arm and not checked"),
     }
@@ -169,10 +177,11 @@ class Context:
     world: int
     device: torch.device
     comm: object
+    collective: str = "all_reduce"  # or "all_to_all" (of equal blocks)
 
 
 class Measurement:
-    """`calls` all-reduces of one arm on its buffers, in one mode, timed as a whole and reported per call."""
+    """`calls` calls of one arm on its buffers, in one mode, timed as a whole and reported per call."""
 
     def __init__(self, arm, x, y, mode, calls, sleep_cycles):
         self.arm, self.x, self.y, self.mode, self.calls = arm, x, y, mode, calls
@@ -233,17 +242,19 @@ def _agree_names(names: list[str], world: int, control) -> list[str]:
 
 def _check(ctx, arms, buffers, reference, seed, numel, dtype, control) -> dict:
     """One call of every arm on the check data. Raises on every rank if any rank saw an output that is not
-    bitwise equal to the reference arm's (NCCL's), or to the float64 sum where there is no reference arm.
-    Returns {arm name: why} for the arms whose call raised on some rank (e.g. a dtype they lack)."""
+    bitwise equal to the reference arm's (NCCL's), or to the float64 sum (all-to-all: the blocks every rank sends
+    this one) where there is no reference arm. Returns {arm name: why} for the arms whose call raised on some rank
+    (e.g. a dtype they lack)."""
     device, problems, failed = ctx.device, [], {}
     mine = check_input(seed, ctx.rank, numel, dtype, device)
-    want = expected_sum(seed, ctx.world, numel, dtype, device)
+    want = expected_blocks(seed, ctx.rank, ctx.world, numel, dtype, device) if ctx.collective == "all_to_all" \
+        else expected_sum(seed, ctx.world, numel, dtype, device)
     if reference is not None:
         x, y = reference.prepare(numel, dtype)
         x.copy_(mine)
         out = reference.call(x, y)
         torch.cuda.synchronize()
-        problems.append(bitwise_mismatch(f"{reference.name} (the reference) against the float64 sum", out, want))
+        problems.append(bitwise_mismatch(f"{reference.name} (the reference) against the float64 reference", out, want))
         want = out.clone()
     against = reference.name if reference is not None else "the float64 sum"
     for arm in (a for a in arms if a.all_reduce):
@@ -262,7 +273,7 @@ def _check(ctx, arms, buffers, reference, seed, numel, dtype, control) -> dict:
     dist.all_gather_object(everyone, (problems, failed), group=control)
     wrong = [p for per_rank, _ in everyone for p in per_rank]
     if wrong:
-        raise RuntimeError(f"wrong all-reduce output, {dtype} {numel} elements, before timing:\n  "
+        raise RuntimeError(f"wrong {ctx.collective} output, {dtype} {numel} elements, before timing:\n  "
                            + "\n  ".join(wrong))
     return {name: why for _, per_rank in everyone for name, why in per_rank.items()}
 
@@ -306,6 +317,8 @@ def _measure(ctx, arms, reference, cfg, sleep_cycles, control, skipped) -> list[
         esize = torch.empty((), dtype=dtype).element_size()
         for size in cfg["sizes"]:
             numel = max(1, size // esize)
+            if ctx.collective == "all_to_all":  # world equal blocks
+                numel = max(ctx.world, numel - numel % ctx.world)
             nbytes = numel * esize
             supported = []
             for arm in arms:
@@ -359,7 +372,7 @@ def worker(store, rank, world, cfg, publish, local_rank=None) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("ctl", store), rank=rank, world_size=world)
     control = dist.group.WORLD
     comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"])
-    ctx = Context(rank, world, device, comm)
+    ctx = Context(rank, world, device, comm, cfg.get("collective", "all_reduce"))
     # dist.all_reduce through the "rocenante" torch.distributed backend: the communicator plus dispatch.
     backend_group = dist.new_group(backend="rocenante")
     arms: list = [arms_mod.Rocenante(ctx), arms_mod.Collective(ctx, "rocenante_backend", backend_group)]
@@ -367,14 +380,14 @@ def worker(store, rank, world, cfg, publish, local_rank=None) -> None:
     if "rocenante_net_tcp" in cfg["arms"]:  # only on request (arms.ON_REQUEST)
         net_comm = rocenante.Communicator(store, rank, world, device=device, capacity_bytes=cfg["capacity_bytes"],
                                           name="bench_net_tcp", net="tcp")
-        arms.append(arms_mod.Rocenante(Context(rank, world, device, net_comm), "rocenante_net_tcp"))
+        arms.append(arms_mod.Rocenante(Context(rank, world, device, net_comm, ctx.collective), "rocenante_net_tcp"))
     skipped: dict = {}
     method: dict = {}
     if cuda:
         nccl = dist.new_group(backend="nccl")
         reference = arms_mod.Collective(ctx, "nccl", nccl)
         arms.append(reference)
-        for name in arms_mod.available_symm_mem_arms():
+        for name in arms_mod.available_symm_mem_arms() if ctx.collective == "all_reduce" else []:
             try:
                 arms.append(arms_mod.SymmMem(ctx, name, nccl, cfg["max_bytes"]))
             except Exception as err:  # recorded, not fatal: this torch may lack the backend for it

@@ -39,6 +39,8 @@ def build(profiles) -> dict:
     arms["nccl (ring fit)"] = (allreduce.ring, profiles["dgx-spark-nccl"])
     shard_arms = {name: (algo, roce) for name, algo in allreduce.SHARD_ALGORITHMS.items()}
     shard_arms["nccl (ring fit)"] = (allreduce.shard_ring, profiles["dgx-spark-nccl"])
+    a2a_arms = {name: (algo, roce) for name, algo in allreduce.ALL_TO_ALL_ALGORITHMS.items()}
+    a2a_arms["nccl (one step, ring fit)"] = (allreduce.shard_one_shot, profiles["dgx-spark-nccl"])
     base = published.DECODE_ROWS[0][3]
     check = decode.check(fixed, per_token, profiles)
     return {
@@ -49,6 +51,7 @@ def build(profiles) -> dict:
                               "overhead_us": p.overhead_s * 1e6, "source": p.source} for p in profiles.values()},
         "latency_us": _latencies(arms),
         "all_gather_reduce_scatter_latency_us": _latencies(shard_arms),
+        "all_to_all_latency_us": _latencies(a2a_arms),
         "rails_latency_us": _latencies({f"one-shot {k} rail{'s' if k > 1 else ''}": (allreduce.one_shot,
                                                                                    allreduce.rails(roce, k))
                                         for k in (1, 2)}),
@@ -78,7 +81,8 @@ def format_tables(r: dict) -> str:
                      f"overhead {p['overhead_us']:.2f} us ({p['source']})")
     for title, key in (("all-reduce", "latency_us"),
                        ("all-gather (bytes: the output) or reduce-scatter (the input)",
-                        "all_gather_reduce_scatter_latency_us")):
+                        "all_gather_reduce_scatter_latency_us"),
+                       ("all-to-all (bytes: each rank's input)", "all_to_all_latency_us")):
         arms = [k for k in r[key][0] if k not in ("nodes", "bytes")]
         lines.append(f"\n{title}\n{'nodes':>5} {'bytes':>9} " + " ".join(f"{a:>15}" for a in arms) + "   (us)")
         for row in r[key]:
