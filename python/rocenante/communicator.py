@@ -378,6 +378,9 @@ class Communicator:
         :meth:`all_to_all` of a 1-D ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow their calls one by one
         (:meth:`faulted_by`, as the backend's Work does)."""
         out = x if out is None else out
+        if collective in ("reduce_scatter", "all_to_all") and x.numel() % self.world_size != 0:
+            raise ValueError(f"{collective} of {_describe(x)}: its elements must be a multiple of the world size "
+                             f"{self.world_size}")
         shape = {"all_reduce": tuple(x.shape), "all_gather": (self.world_size * x.numel(),),
                  "reduce_scatter": (x.numel() // self.world_size,), "all_to_all": (x.numel(),)}[collective]
         self._check(x, out, shape, collective)

@@ -227,6 +227,28 @@ def test_world_1_and_a_scalar():
             comm.all_gather(torch.tensor(1.0))
         assert torch.equal(comm.all_gather(torch.arange(4.0)), torch.arange(4.0))
         assert torch.equal(comm.reduce_scatter(torch.arange(4.0), op="max"), torch.arange(4.0))
+        with pytest.raises(TypeError, match="at least one dimension"):
+            comm.all_to_all(torch.tensor(1.0))
+        assert torch.equal(comm.all_to_all(torch.arange(4.0)), torch.arange(4.0))
+
+
+def _issue_checks(store, rank, world):
+    """issue() refuses alike, on every rank, a reduce-scatter or all-to-all whose elements the world does not
+    divide (a floor would drop the tail silently); the communicator stays usable."""
+    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=30) as comm:
+        for collective in ("reduce_scatter", "all_to_all"):
+            with pytest.raises(ValueError, match="multiple of the world size"):
+                comm.issue(torch.ones(2 * world + 1), out=torch.empty(2 * world + 1), collective=collective)
+        x = torch.arange(2.0 * world) + 10 * rank
+        out = torch.empty_like(x)
+        comm.issue(x, out=out, collective="all_to_all")
+        return out.tolist()
+
+
+def test_issue_refuses_a_tail_the_world_does_not_divide():
+    world = 2
+    for rank, got in enumerate(expect_ok(run_ranks(world, _issue_checks, timeout=120))):
+        assert got == [float(10 * s + 2 * rank + i) for s in range(world) for i in range(2)], got
 
 
 def test_gpu_two_shot_sizes_are_the_models_crossovers():
