@@ -93,10 +93,14 @@ ROCENANTE_HD CallArgs piece_call(const CallArgs& a, int i) {
 ROCENANTE_HD uint32_t footprint_of(const CallArgs& a) {
   return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));
 }
-// Bytes of each area the call may write: what a network peer's wire delivers.
-ROCENANTE_HD size_t call_span_bytes(const CallArgs& a) {
-  return sharded(a) ? slots_span_bytes(a.shards, a.world, format_of(a)) : span_bytes(a.bytes, a.dtype);
+// What the proxy delivers of the call to each network peer (delivery_range(), layout.h): of a piece that makes two
+// calls, what each delivers.
+ROCENANTE_HD uint32_t delivery_of(const CallArgs& a) {
+  if (!sharded(a)) return uint32_t(span_bytes(a.bytes, a.dtype));
+  return kSlotDelivery | (a.collective == Collective::kAllGather ? kSenderSlot : 0u) |
+         (format_of(a) == Format::kLines ? kLinesDelivery : 0u) | uint32_t(a.shards.slot_chunks);
 }
+static_assert(kMaxCapacityBytes / kChunkBytes < kLinesDelivery, "a slot's chunks fit a delivery word");
 
 // A wait of call `epoch` for the peers in `pending` that has read the clock also reads the abort words of its
 // region's header, with `load` (the host's and the kernel's atomic loads differ), each only once whole

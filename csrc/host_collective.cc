@@ -537,7 +537,7 @@ uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptC
   dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call); });
   // Network peers: the proxy delivers what the image now holds (layout.h, Mailbox).
   if (a.mailbox != nullptr) {
-    __atomic_store_n(&a.mailbox->ring[buffer], ring_word(call_span_bytes(a), epoch), __ATOMIC_RELEASE);
+    __atomic_store_n(&a.mailbox->ring[buffer], ring_word(delivery_of(a), epoch), __ATOMIC_RELEASE);
     note(a.timeline, epoch, kKernelRing);
   }
   if (pushes_before_signal.load(std::memory_order_relaxed) != 0 && pushes_before_signal.fetch_sub(1) == 1)

@@ -222,8 +222,9 @@ constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 // over: the gate before the gather, sharded_kernel, may give up at the timeout), where a launch of its own would
 // reset it during call e + 1. That buffer is next written by call e + 3, which a peer sends once it has our data of
 // e + 2; a reset would then have to come before the next launch's push, on its critical path. None is needed:
-// a network peer's words are read only after its delivery's signal, and a delivery writes its call word and
-// whole span before that (Mailbox), so nothing left there from call e is read by a later call of the buffer.
+// a network peer's words are read only after its delivery's signal, and a delivery writes its call word and all
+// that the receiver reads before that (Mailbox), so nothing left there from call e is read by a later call of the
+// buffer.
 // The buffer's next reset is the usual one of call e + 3's footprint, by the call after it (the kernel keeps the
 // footprint of each launch's last call).
 enum class Collective : uint32_t {
@@ -292,8 +293,9 @@ constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
 //   - slot s: s's reduced shard (two-shot's second exchange) or s's input (all-gather), which r copies out.
 // The two never overlap (r != s), so one call word and one buffer serve both exchanges of a two-shot call: what
 // is not kEmpty in either slot is this call's (layout.h's argument, above, holds word for word). Over a network
-// wire a whole span of the image is delivered, slots other ranks never read included; a reducer reads only
-// the slots above, and only after the delivery's signal, so what else lands there is never taken for data.
+// wire each peer is delivered the slot it reads (delivery_range(), below), in whole groups of lines, which may
+// reach into a neighbouring slot; a reducer reads only the slots above, and only after the delivery's signal, so
+// what else lands there is never taken for data.
 // A reset (during the next call of the buffer's) writes kEmpty over slots r and s of each area (b, s): whatever
 // the call was, every slot written was one of those.
 struct Shards {
@@ -423,9 +425,10 @@ ROCENANTE_HD uint32_t initial_word(size_t index) {
 // Network transports: the reducer (kernel or host loop) and its proxy thread (transport/proxy.cc) meet in a
 // mailbox of host memory (mapped for the kernel). The reducer writes into an image of each network peer's region,
 // and:
-//   ring[b] = (span_bytes() << 32) | epoch of the last call that used buffer b, stored with release at system
+//   ring[b] = (delivery << 32) | epoch of the last call that used buffer b, stored with release at system
 //     scope once every store of that call into the image is visible (the kernel: by its last CTA, after a
-//     system-scope fence); the proxy then delivers that call's call word and area span to every network peer.
+//     system-scope fence); the proxy then delivers that call's call word and, of its area, what each network
+//     peer reads (delivery_range(), below) to that peer.
 //     A reducer rings only for a call it wrote whole, call word and every chunk. The image is never reset, so
 //     a part it did not write holds an older call's words, which a peer would take for this call's: a call
 //     word of epoch e - 3 equals one of epoch e whose signature differs just so (make_flag), and any area
@@ -465,6 +468,31 @@ struct Mailbox {
   alignas(kLineBytes) uint64_t ring[kBuffers];               // kNoEpoch (its low half) until the buffer's first call
   alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks][kMaxRails];  // completion signal only; as the flags
 };
-ROCENANTE_HD uint64_t ring_word(size_t span_bytes, uint32_t epoch) { return (uint64_t(span_bytes) << 32) | epoch; }
+ROCENANTE_HD uint64_t ring_word(uint32_t delivery, uint32_t epoch) { return (uint64_t(delivery) << 32) | epoch; }
+
+// What of a call's area the proxy delivers to each network peer: exactly what that peer reads, so that no peer
+// receives the blocks of the others. A ring's delivery word says it (CallArgs: delivery_of(), call_args.h):
+//   bit 31 clear: a one-shot call, whose every peer reads its whole input: bytes [0, delivery) of the area;
+//   bit 31 set, a sharded call (Shards), slot_chunks in bits 0..28, whose peer reads one slot: its own (bit 30
+//     clear: two-shot's first exchange, reduce-scatter, all-to-all) or the sender's (bit 30 set: all-gather,
+//     two-shot's second exchange); bit 29: the line format, whose slots are delivered in whole groups of lines.
+// A delivered range may reach into a neighbouring slot (a group of lines shared by two slots, a shard shorter than
+// its slot): that is the image as an earlier call left it, which the receiver never reads, as it never reads
+// outside the slot it waits for (layout.h's argument above holds for what it reads: all of it was written by this
+// call, and delivered before the call's signal).
+constexpr uint32_t kSlotDelivery = 0x80000000u, kSenderSlot = 0x40000000u, kLinesDelivery = 0x20000000u;
+ROCENANTE_HD void delivery_range(uint32_t delivery, int receiver, int sender, size_t& begin, size_t& end) {
+  if (!(delivery & kSlotDelivery)) {
+    begin = 0, end = delivery;
+    return;
+  }
+  const size_t slot = delivery & (kLinesDelivery - 1);
+  size_t c0 = size_t(delivery & kSenderSlot ? sender : receiver) * slot, c1 = c0 + slot;
+  if (delivery & kLinesDelivery) {  // whole groups of lines
+    c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+    c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+  }
+  begin = c0 * kChunkBytes, end = c1 * kChunkBytes;
+}
 
 }  // namespace rocenante

@@ -98,7 +98,7 @@ static_assert(kMaxBlocks < kUnsent, "the low half of DeviceState::sent counts CT
 // `index`: which call of the launch this is (calls_of()), each counted apart (a CTA may be done with the second
 // while another still stores for the first). Returns true in the one thread that counted the last CTA.
 __device__ bool ring_doorbell(const CallArgs& a, const DeviceState& s, int index, uint32_t epoch, int buffer,
-                              size_t span, bool sent) {
+                              uint32_t delivery, bool sent) {
   __threadfence_system();  // this thread's image stores, before its CTA is counted
   const bool all_sent = __syncthreads_and(sent);
   if (threadIdx.x != 0) return false;
@@ -109,7 +109,7 @@ __device__ bool ring_doorbell(const CallArgs& a, const DeviceState& s, int index
   if (all_sent && before < kUnsent) {
     __threadfence_system();  // every CTA's stores (each fenced before its count), before the ring
     note(a, epoch, kKernelRing);
-    store_release_sys(&a.mailbox->ring[buffer], ring_word(span, epoch));
+    store_release_sys(&a.mailbox->ring[buffer], ring_word(delivery, epoch));
   }
   return true;
 }
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 1 : 0)
     }
   }
 
-  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, call_span_bytes(a), !failed);
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, delivery_of(a), !failed);
 
   reset_previous(a, s, epoch, buffer, first, stride);
 
@@ -523,9 +523,8 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
       }
     }
   }
-  // Both calls of a two-shot piece span the same slots in the same format (piece_call()).
-  const size_t span = call_span_bytes(a);
-  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, span, !failed);
+  // A two-shot piece's calls deliver each peer its own slot, then ours (piece_call(), delivery_of()).
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, delivery_of(second ? piece_call(a, 0) : a), !failed);
   reset_previous(a, s, epoch, last_buffer, first, stride);
 
   uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
@@ -560,7 +559,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
       // The gate: no thread polls for the second call's data (pinned host memory, across PCIe on a discrete GPU)
       // while a CTA of ours still reduces: without it one launch a piece was no faster than two on one H200, with
       // it faster (benchmarks/README.md). The last CTA counted opens it; one that waits past the timeout goes on.
-      if (ring_doorbell(a, s, 1, last, last_buffer, span, !failed))
+      if (ring_doorbell(a, s, 1, last, last_buffer, delivery_of(piece_call(a, 1)), !failed))
         store_relaxed(s.reduced, last);
       if (threadIdx.x == 0) {
         const uint64_t deadline = global_timer_ns() + a.timeout_ns;

@@ -4,8 +4,8 @@
 // and is tested with both.
 //
 // The thread polls, in a loop, under one mutex (post_abort() from other threads takes it too):
-//   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and the span
-//            of its area in the image to every peer and signal(e) (with Signal::kFlag, the flag that tells the
+//   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and, of its area
+//            in the image, what each peer reads (delivery_range(), layout.h) to every peer and signal(e) (with Signal::kFlag, the flag that tells the
 //            peer's reducer); e + 1 may follow before e's writes have landed, up to kRoundsInFlight rounds
 //            (transport.h; ibverbs.cc says why no stale write can follow), and delivered() until true reports
 //            them all landed.
@@ -138,7 +138,9 @@ class Proxy final : public Transport {
           for (int p = 0; p < world; ++p) {
             if (p == rank_ || closed[p]) continue;
             wire_->deliver(p, call_word_offset(buffer, rank_), sizeof(uint32_t));
-            wire_->deliver(p, layout_.area_offset(buffer, p, rank_), size_t(ring >> 32));
+            size_t begin = 0, end = 0;
+            delivery_range(uint32_t(ring >> 32), p, rank_, begin, end);
+            wire_->deliver(p, layout_.area_offset(buffer, p, rank_) + begin, end - begin);
           }
           wire_->signal(send);
           note(timeline_, send, kProxyRing);

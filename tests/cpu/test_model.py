@@ -71,9 +71,8 @@ def test_algorithms_hand_computed():
         assert algo(HAND, 1, 4000) == 0
     # The same bytes either way: one-shot is ahead at every size.
     assert allreduce.crossover(HAND, 8, allreduce.shard_one_shot, allreduce.shard_ring) is None
-    # All-to-all of 4000 B a rank: 3 blocks of 1000 B (one a peer), or 3 peers x 4000 B (the whole span each).
-    assert allreduce.ALL_TO_ALL_ALGORITHMS["one-shot, own block"](HAND, 4, 4000) * us == pytest.approx(3 + 3 * 1)
-    assert allreduce.all_to_all_whole_span(HAND, 4, 4000) * us == pytest.approx(3 + 3 * 4)
+    # All-to-all of 4000 B a rank: 3 blocks of 1000 B, one a peer, in one step.
+    assert allreduce.ALL_TO_ALL_ALGORITHMS["one-shot"](HAND, 4, 4000) * us == pytest.approx(3 + 3 * 1)
     for algo in allreduce.ALL_TO_ALL_ALGORITHMS.values():
         assert algo(HAND, 1, 4000) == 0
 

@@ -14,10 +14,8 @@ the algorithm: kernel, flags, reduction). A step costs overhead + alpha + bytes 
   The model counts injected bytes only: one-shot and ring all-gathers inject the same bytes, so one-shot, with one
   step's fixed cost instead of n-1, is ahead at every size (no crossover), where a real switch's incast may not be.
   all-to-all of `size` bytes (each rank's input, n blocks of size/n)
-    one-shot, own block a peer: 1 step, each rank sends (n-1) blocks of size/n (an all-gather's bytes; NCCL's
-      pairwise exchange sends the same, as one step of its own);
-    one-shot, whole span a peer: 1 step, each rank sends every peer all n slots (size each): what the network
-      path delivers today, one image serving every peer (docs/guarantees.md, Known limits).
+    one-shot: 1 step, each rank sends each peer its block, (n-1) blocks of size/n in all (an all-gather's bytes;
+      NCCL's pairwise exchange sends the same, modelled as one step of its own).
 
 Rails (rails()): a Spark's cable is two PCIe functions, each about half the port's bandwidth, and a peer's data
 striped over both (one queue pair per function) injects at the sum. The fitted one-shot profile ran the reference
@@ -84,15 +82,10 @@ def rails(p: Profile, used: int, of: int = 2) -> Profile:
                    f"{p.source}; bandwidth scaled by {used}/{of} (modelled)")
 
 
-def all_to_all_whole_span(p: Profile, n: int, size: float) -> float:
-    """All-to-all of `size` bytes whose every peer receives the whole span of n slots (the network path today)."""
-    return 0.0 if n == 1 else _step(p, (n - 1) * size)
-
-
 ALGORITHMS = {"one-shot": one_shot, "two-shot": two_shot, "ring": ring}
 # All-gather and reduce-scatter alike.
 SHARD_ALGORITHMS = {"one-shot": shard_one_shot, "ring": shard_ring}
-ALL_TO_ALL_ALGORITHMS = {"one-shot, own block": shard_one_shot, "one-shot, whole span": all_to_all_whole_span}
+ALL_TO_ALL_ALGORITHMS = {"one-shot": shard_one_shot}
 
 
 def crossover(p: Profile, n: int, a, b) -> float | None:
