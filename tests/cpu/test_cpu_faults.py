@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -23,6 +24,20 @@ CAPACITY = 64 << 10
 
 def _comm(store, rank, world, timeout_s=60.0):
     return rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=timeout_s)
+
+
+def _wait_inside_the_core(thread, bound_s=30.0):
+    """Returns once `thread` runs the communicator's call into the core (its innermost Python frame is
+    _call_core, which holds no GIL while the core waits), and 10 ms more: by then it has issued its call. A fixed
+    sleep after start() was not enough under emulation (qemu-user, a loaded host): B issued first."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == "_call_core":
+            time.sleep(0.01)
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"thread {thread.name} did not reach its call within {bound_s} s")
 
 
 def _two_threads(store, rank, world, rounds):
@@ -44,7 +59,7 @@ def _two_threads(store, rank, world, rounds):
         if rank == 0:
             a = threading.Thread(target=call, args=("A", i))
             a.start()
-            time.sleep(0.01)  # A is now inside its call, waiting for rank 1
+            _wait_inside_the_core(a)  # A is now inside its call, waiting for rank 1
             b = threading.Thread(target=call, args=("B", i))
             b.start()
             a.join()
