@@ -154,21 +154,24 @@ constexpr uint32_t kShardedFootprint = 0x80000000u, kLinesFootprint = 0x40000000
 ROCENANTE_HD uint32_t sharded_footprint(size_t slot_chunks, Format f) {
   return kShardedFootprint | (f == Format::kLines ? kLinesFootprint : 0u) | uint32_t(slot_chunks);
 }
+// Bytes [begin, end) of an area that slot `index` of `slot_chunks` chunks takes (Shards, below), in whole groups
+// of lines for the line format.
+ROCENANTE_HD void slot_range(size_t index, size_t slot_chunks, bool lines, size_t& begin, size_t& end) {
+  size_t c0 = index * slot_chunks, c1 = c0 + slot_chunks;
+  if (lines) {
+    c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+    c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
+  }
+  begin = c0 * kChunkBytes, end = c1 * kChunkBytes;
+}
 ROCENANTE_HD int footprint_ranges(uint32_t footprint, int receiver, int source, size_t (&begin)[2], size_t (&end)[2]) {
   if (!(footprint & kShardedFootprint)) {
     begin[0] = 0, end[0] = footprint;
     return 1;
   }
   const size_t slot = footprint & (kLinesFootprint - 1);
-  const int slots[2] = {receiver, source};
-  for (int i = 0; i < 2; ++i) {
-    size_t c0 = size_t(slots[i]) * slot, c1 = c0 + slot;
-    if (footprint & kLinesFootprint) {  // whole groups of lines
-      c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
-      c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
-    }
-    begin[i] = c0 * kChunkBytes, end[i] = c1 * kChunkBytes;
-  }
+  slot_range(size_t(receiver), slot, footprint & kLinesFootprint, begin[0], end[0]);
+  slot_range(size_t(source), slot, footprint & kLinesFootprint, begin[1], end[1]);
   return 2;
 }
 
@@ -486,13 +489,8 @@ ROCENANTE_HD void delivery_range(uint32_t delivery, int receiver, int sender, si
     begin = 0, end = delivery;
     return;
   }
-  const size_t slot = delivery & (kLinesDelivery - 1);
-  size_t c0 = size_t(delivery & kSenderSlot ? sender : receiver) * slot, c1 = c0 + slot;
-  if (delivery & kLinesDelivery) {  // whole groups of lines
-    c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
-    c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
-  }
-  begin = c0 * kChunkBytes, end = c1 * kChunkBytes;
+  slot_range(size_t(delivery & kSenderSlot ? sender : receiver), delivery & (kLinesDelivery - 1),
+             delivery & kLinesDelivery, begin, end);
 }
 
 }  // namespace rocenante
