@@ -429,9 +429,10 @@ uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, cons
 
 // Copies every peer's shard to out + s * stride_bytes, in whatever order they arrive: peer s sent sh.bytes_of(s)
 // bytes as chunks [t * slot_chunks, ...) of its area, areas[s], at slot t = s (its own shard: all-gather, two-shot's
-// second exchange) or t = our rank (the block it sends us: all-to-all, whose blocks are all of one size). One wait for the set of peers still owed, as
-// the other phases wait: a peer that ended fails it at once, also while another is late. The wait starts afresh
-// after each copy, so the timeout bounds the time without progress, as a wait per block would.
+// second exchange) or t = our rank (the block it sends us: all-to-all, whose blocks are all of one size). One wait
+// for the set of peers still owed, as the other phases wait: a peer that ended fails it at once, also while another
+// is late. The wait starts afresh after each copy, so the timeout bounds the time without progress, as a wait per
+// block would.
 template <Format F>
 uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t epoch, InterruptCheck interrupted) {
   const Shards& sh = a.shards;

@@ -4,9 +4,9 @@
 // and is tested with both.
 //
 // The thread polls, in a loop, under one mutex (post_abort() from other threads takes it too):
-//   send:    when ring[e % 3] holds e, the next epoch to send: deliver this rank's call word of e and, of its area
-//            in the image, what each peer reads (delivery_range(), layout.h) to every peer and signal(e) (with Signal::kFlag, the flag that tells the
-//            peer's reducer); e + 1 may follow before e's writes have landed, up to kRoundsInFlight rounds
+//   send:    when ring[e % 3] holds e, the next epoch to send: deliver to every peer this rank's call word of e
+//            and what that peer reads of its area in the image (delivery_range(), layout.h), and signal(e) (with
+//            Signal::kFlag, the flag that tells the peer's reducer); e + 1 may follow before e's writes have landed, up to kRoundsInFlight rounds
 //            (transport.h; ibverbs.cc says why no stale write can follow), and delivered() until true reports
 //            them all landed.
 //   receive: p's delivery of e_p is seen, by its flag reading e_p (kFlag: the reducer reads the same flag, the

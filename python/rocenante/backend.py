@@ -217,8 +217,8 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return None
 
     def _gather_issue(self, comm, collective, output, input, op, stream) -> int:
-        """One all-gather, reduce-scatter or all-to-all through `comm`; returns its call number. Non-contiguous tensors go
-        through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
+        """One all-gather, reduce-scatter or all-to-all through `comm`; returns its call number. Non-contiguous
+        tensors go through contiguous copies, so that layout (a fact of this rank only) never decides the path."""
         flat_in = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
         flat_out = output.view(-1) if output.is_contiguous() else torch.empty(output.numel(), dtype=output.dtype,
                                                                               device=output.device)
@@ -437,10 +437,11 @@ def _given(opts) -> list:
 # (index, then index into a list, or None). Newer torch names a collective for the process group (first name)
 # and for the backend (second) differently. The other overrides are above: barrier(), all-reduce, the
 # all-gathers and reduce-scatters, single and coalesced (also under both names), and the all-to-alls (single and
-# of lists), which rocenante serves where it can. Every collective torch's C++ trampoline forwards to Python must be overridden here or above: for one the
-# class lacks, the trampoline calls the delegate from C++ holding the GIL, and a gloo worker that frees a finished
-# work (holding its queue lock) and needs the GIL to free a tensor's Python object deadlocks with it
-# (docs/guarantees.md; tests/cpu/test_real_clients.py, test_collectives_proceed_while_gloo_waits_for_the_gil).
+# of lists), which rocenante serves where it can. Every collective torch's C++ trampoline forwards to Python must
+# be overridden here or above: for one the class lacks, the trampoline calls the delegate from C++ holding the
+# GIL, and a gloo worker that frees a finished work (holding its queue lock) and needs the GIL to free a tensor's
+# Python object deadlocks with it (docs/guarantees.md; tests/cpu/test_real_clients.py,
+# test_collectives_proceed_while_gloo_waits_for_the_gil).
 _DELEGATED = {  # process group's name: (backend's name, where)
     "allreduce_coalesced": ("allreduce_coalesced", (0, 0)),
     "allgather_coalesced": ("allgather_coalesced", (1, 0)),

@@ -375,8 +375,8 @@ class Communicator:
               collective: str = "all_reduce") -> int:
         """``collective`` on ``stream`` (a raw CUDA stream handle; by default the current stream), checked alike:
         :meth:`all_reduce` of ``x`` into ``x`` itself, or :meth:`all_gather`, :meth:`reduce_scatter` or
-        :meth:`all_to_all` of a 1-D ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow their calls one by one
-        (:meth:`faulted_by`, as the backend's Work does)."""
+        :meth:`all_to_all` of a 1-D ``x`` into a 1-D ``out``. Returns the call's number, for callers that follow
+        their calls one by one (:meth:`faulted_by`, as the backend's Work does)."""
         out = x if out is None else out
         if collective in ("reduce_scatter", "all_to_all") and x.numel() % self.world_size != 0:
             raise ValueError(f"{collective} of {_describe(x)}: its elements must be a multiple of the world size "

@@ -1,8 +1,8 @@
 """All-gather, reduce-scatter, all-to-all and two-shot all-reduce on GPUs (sharded_kernel,
 csrc/device/collective_kernels.cu): every dtype and op at slot and piece edges, bit for bit against references every
-rank computes, in CUDA graphs, with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a two-shot piece is two calls of the
-protocol, a reduce-scatter and an all-gather, made by one launch). Worlds 2 to 8 on whatever GPUs there are
-(tests/support/gpus.py)."""
+rank computes, in CUDA graphs, with a mismatched collective; directly (CUDA IPC) and over the TCP wire (where a
+two-shot piece is two calls of the protocol, a reduce-scatter and an all-gather, made by one launch). Worlds 2 to 8
+on whatever GPUs there are (tests/support/gpus.py)."""
 
 from __future__ import annotations
 
