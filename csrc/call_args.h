@@ -95,12 +95,10 @@ ROCENANTE_HD uint32_t footprint_of(const CallArgs& a) {
 }
 // What the proxy delivers of the call to each network peer (delivery_range(), layout.h): of a piece that makes two
 // calls, what each delivers.
+static_assert(kMaxCapacityBytes / kChunkBytes < kSenderSlot, "a slot's chunks lie below kSenderSlot");
 ROCENANTE_HD uint32_t delivery_of(const CallArgs& a) {
-  if (!sharded(a)) return uint32_t(span_bytes(a.bytes, a.dtype));
-  return kSlotDelivery | (a.collective == Collective::kAllGather ? kSenderSlot : 0u) |
-         (format_of(a) == Format::kLines ? kLinesDelivery : 0u) | uint32_t(a.shards.slot_chunks);
+  return footprint_of(a) | (sharded(a) && a.collective == Collective::kAllGather ? kSenderSlot : 0u);
 }
-static_assert(kMaxCapacityBytes / kChunkBytes < kLinesDelivery, "a slot's chunks fit a delivery word");
 
 // A wait of call `epoch` for the peers in `pending` that has read the clock also reads the abort words of its
 // region's header, with `load` (the host's and the kernel's atomic loads differ), each only once whole

@@ -343,40 +343,36 @@ void send(const Destinations& to, const void* src, size_t bytes, size_t at, uint
   }
 }
 
-// Shard p of our input into peer p's area, at slot p (two-shot's first exchange, reduce-scatter, all-to-all); a
-// network peer's area is the image that others read too, so it gets every shard but ours (below).
+// The push (step 1): this rank's data of the call, in format F, into every peer's area (layout.h, Shards): our
+// whole input (one-shot), our shard at our slot (all-gather), or shard p at slot p of peer p's area (two-shot's
+// first exchange, reduce-scatter, all-to-all). A network peer's area is our image of its region, one for the peers
+// below us and one for those above (CallArgs::stores), so what each of those peers reads from it is written there:
+// every shard but ours.
 template <DType D, Format F>
-void push_shards(const CallArgs& a, int buffer, uint32_t call) {
-  const Shards& sh = a.shards;
-  for (int p = 0; p < a.world; ++p) {
-    if (!(a.stores & (1u << p))) continue;
-    const Destinations to(a, buffer, 1u << p);
-    for (int s = 0; s < a.world; ++s)
-      if (s == p || (s != a.rank && (a.network & (1u << p))))
-        send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks, call);
-  }
-}
-
-// The push (step 1): this rank's data of the call into every peer's area (layout.h, Shards). A network peer's
-// area is our image of its region, one for the peers below us and one for those above (CallArgs::stores),
-// so what each of those peers reads from it is written there: every shard but ours.
-template <DType D>
-void push(const CallArgs& a, int buffer, uint32_t call) {
-  constexpr Format F = format_of(D);
+void push_as(const CallArgs& a, int buffer, uint32_t call) {
   const Shards& sh = a.shards;
   if (!sharded(a)) {
     send<D, F>(Destinations(a, buffer, a.stores), a.in, a.bytes, 0, call);
-  } else if (a.collective == Collective::kAllGather) {  // lines, but a two-shot piece's reduced shard as F
-    const Destinations to(a, buffer, a.stores);
-    if (format_of(a) == Format::kLines)
-      send<D, Format::kLines>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
-    else
-      send<D, F>(to, a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
-  } else if (format_of(a) == Format::kLines) {  // an all-to-all (or an int32 reduce-scatter, F already)
-    push_shards<D, Format::kLines>(a, buffer, call);
-  } else {  // two-shot's first exchange, a reduce-scatter
-    push_shards<D, F>(a, buffer, call);
+  } else if (a.collective == Collective::kAllGather) {
+    send<D, F>(Destinations(a, buffer, a.stores), a.in, sh.bytes_of(a.rank), a.rank * sh.slot_chunks, call);
+  } else {
+    for (int p = 0; p < a.world; ++p) {
+      if (!(a.stores & (1u << p))) continue;
+      const Destinations to(a, buffer, 1u << p);
+      for (int s = 0; s < a.world; ++s)
+        if (s == p || (s != a.rank && (a.network & (1u << p))))
+          send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
+                     call);
+    }
   }
+}
+// The call's format (format_of(args)): the dtype's, or lines for what must come back bit for bit.
+template <DType D>
+void push(const CallArgs& a, int buffer, uint32_t call) {
+  if (format_of(a) == Format::kLines)
+    push_as<D, Format::kLines>(a, buffer, call);
+  else
+    push_as<D, format_of(D)>(a, buffer, call);
 }
 
 // Waits until chunks [at, at + chunks) of the area of every peer in `from` (bit s: areas[s], peer s's area in our

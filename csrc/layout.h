@@ -175,6 +175,24 @@ ROCENANTE_HD int footprint_ranges(uint32_t footprint, int receiver, int source, 
   return 2;
 }
 
+// What of a call's area the proxy delivers to each network peer: exactly what that peer reads, so that no peer
+// receives the blocks of the others. A ring's delivery word (delivery_of(), call_args.h) is the call's footprint,
+// with kSenderSlot set where each peer reads the sender's slot (all-gather, two-shot's second exchange) rather than
+// its own (two-shot's first exchange, reduce-scatter, all-to-all): a one-shot call delivers its span, a sharded
+// one that slot, in whole groups of lines for the line format. A delivered range may reach into a neighbouring slot
+// (a group of lines shared by two slots, a shard shorter than its slot): that is the image as an earlier call left
+// it, which the receiver never reads, as it never reads outside the slot it waits for (layout.h's argument above
+// holds for what it reads: all of it was written by this call, and delivered before the call's signal).
+constexpr uint32_t kSenderSlot = 0x20000000u;  // above any slot's chunk count (call_args.h checks it)
+ROCENANTE_HD void delivery_range(uint32_t delivery, int receiver, int sender, size_t& begin, size_t& end) {
+  if (!(delivery & kShardedFootprint)) {
+    begin = 0, end = delivery;
+    return;
+  }
+  slot_range(size_t(delivery & kSenderSlot ? sender : receiver), delivery & (kSenderSlot - 1),
+             delivery & kLinesFootprint, begin, end);
+}
+
 // Buffer rotation (see above). The epoch wraps at a multiple of 3, so that buffer_of() keeps rotating across
 // the wrap; call words need not be unique over time, since every one is reset after use.
 // Every epoch number is legal, 0 included (a communicator's first call is 1, and after the wrap 0 follows
@@ -296,7 +314,7 @@ constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
 //   - slot s: s's reduced shard (two-shot's second exchange) or s's input (all-gather), which r copies out.
 // The two never overlap (r != s), so one call word and one buffer serve both exchanges of a two-shot call: what
 // is not kEmpty in either slot is this call's (layout.h's argument, above, holds word for word). Over a network
-// wire each peer is delivered the slot it reads (delivery_range(), below), in whole groups of lines, which may
+// wire each peer is delivered the slot it reads (delivery_range(), above), in whole groups of lines, which may
 // reach into a neighbouring slot; a reducer reads only the slots above, and only after the delivery's signal, so
 // what else lands there is never taken for data.
 // A reset (during the next call of the buffer's) writes kEmpty over slots r and s of each area (b, s): whatever
@@ -431,7 +449,7 @@ ROCENANTE_HD uint32_t initial_word(size_t index) {
 //   ring[b] = (delivery << 32) | epoch of the last call that used buffer b, stored with release at system
 //     scope once every store of that call into the image is visible (the kernel: by its last CTA, after a
 //     system-scope fence); the proxy then delivers that call's call word and, of its area, what each network
-//     peer reads (delivery_range(), below) to that peer.
+//     peer reads (delivery_range(), above) to that peer.
 //     A reducer rings only for a call it wrote whole, call word and every chunk. The image is never reset, so
 //     a part it did not write holds an older call's words, which a peer would take for this call's: a call
 //     word of epoch e - 3 equals one of epoch e whose signature differs just so (make_flag), and any area
@@ -472,25 +490,5 @@ struct Mailbox {
   alignas(kLineBytes) uint32_t arrived[kBuffers][kMaxRanks][kMaxRails];  // completion signal only; as the flags
 };
 ROCENANTE_HD uint64_t ring_word(uint32_t delivery, uint32_t epoch) { return (uint64_t(delivery) << 32) | epoch; }
-
-// What of a call's area the proxy delivers to each network peer: exactly what that peer reads, so that no peer
-// receives the blocks of the others. A ring's delivery word says it (CallArgs: delivery_of(), call_args.h):
-//   bit 31 clear: a one-shot call, whose every peer reads its whole input: bytes [0, delivery) of the area;
-//   bit 31 set, a sharded call (Shards), slot_chunks in bits 0..28, whose peer reads one slot: its own (bit 30
-//     clear: two-shot's first exchange, reduce-scatter, all-to-all) or the sender's (bit 30 set: all-gather,
-//     two-shot's second exchange); bit 29: the line format, whose slots are delivered in whole groups of lines.
-// A delivered range may reach into a neighbouring slot (a group of lines shared by two slots, a shard shorter than
-// its slot): that is the image as an earlier call left it, which the receiver never reads, as it never reads
-// outside the slot it waits for (layout.h's argument above holds for what it reads: all of it was written by this
-// call, and delivered before the call's signal).
-constexpr uint32_t kSlotDelivery = 0x80000000u, kSenderSlot = 0x40000000u, kLinesDelivery = 0x20000000u;
-ROCENANTE_HD void delivery_range(uint32_t delivery, int receiver, int sender, size_t& begin, size_t& end) {
-  if (!(delivery & kSlotDelivery)) {
-    begin = 0, end = delivery;
-    return;
-  }
-  slot_range(size_t(delivery & kSenderSlot ? sender : receiver), delivery & (kLinesDelivery - 1),
-             delivery & kLinesDelivery, begin, end);
-}
 
 }  // namespace rocenante
