@@ -124,7 +124,8 @@ PYBIND11_MODULE(_C, m) {
       .value("fused_all_reduce", rocenante::Collective::kFusedAllReduce)
       .value("all_gather", rocenante::Collective::kAllGather)
       .value("reduce_scatter", rocenante::Collective::kReduceScatter)
-      .value("all_to_all", rocenante::Collective::kAllToAll);
+      .value("all_to_all", rocenante::Collective::kAllToAll)
+      .value("all_to_all_v", rocenante::Collective::kAllToAllV);
   layout.def("call_word", [](size_t count, rocenante::DType dtype, rocenante::ReduceOp op, uint32_t epoch,
                              rocenante::Collective collective, bool two_shot) {
     const auto algorithm = two_shot ? rocenante::Algorithm::kTwoShot : rocenante::Algorithm::kOneShot;
@@ -175,6 +176,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dtype"), py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
       .def("all_to_all", &Communicator::all_to_all, py::arg("inp"), py::arg("out"), py::arg("count"), py::arg("dtype"),
            py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all_v", &Communicator::all_to_all_v, py::arg("inp"), py::arg("out"), py::arg("dtype"),
+           py::arg("send"), py::arg("recv"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all_v_counts", &Communicator::all_to_all_v_counts, py::arg("inp"), py::arg("out"), py::arg("dtype"),
+           py::arg("send_counts"), py::arg("recv_counts"), py::arg("row"), py::arg("in_rows"),
+           py::arg("capacity_rows"), py::arg("stream"), py::call_guard<py::gil_scoped_release>())
+      .def("largest_block", [](const Communicator& c, rocenante::DType dtype) {
+             return rocenante::largest_block(c.capacity_bytes(), c.world(), dtype);
+           }, py::arg("dtype"))
       .def("two_shot", [](const Communicator& c, size_t bytes) {
              return c.algorithm_for(bytes) == rocenante::Algorithm::kTwoShot;
            }, py::arg("bytes"))

@@ -26,6 +26,24 @@ struct RowNorm {
   uint32_t hidden;  // elements per row; 0: a plain all-reduce
 };
 
+// A split all-to-all's blocks (layout.h, kAllToAllV), in one of two forms:
+//   lists:  the sizes and places of this rank's blocks as torch's all_to_all_single split lists give them (known
+//           to the host: send, recv and their offsets, in elements);
+//   counts: rows of each block to send in `send_counts`, on the tensors' device (the caller's MoE routing wrote
+//           them there), the input packed in rank order; rank s's block lands at rows [s * capacity / row, ...) of
+//           the output, and the rows received from each rank are written to `recv_counts`.
+struct Blocks {
+  const int64_t* send_counts;  // counts form (else null: lists form)
+  int64_t* recv_counts;
+  uint32_t row;      // counts form: elements per row
+  uint32_t in_rows;  // counts form: rows of the input
+  uint32_t send[kMaxRanks], send_offset[kMaxRanks];  // lists form, elements
+  uint32_t recv[kMaxRanks], recv_offset[kMaxRanks];  // lists form, elements
+  uint32_t capacity;    // elements a block may hold (the signature's count)
+  int slot_log2;        // blocks_slot_log2() of the capacity
+  uint32_t sent_chunks, received_chunks;  // most chunks (header included) this rank sends, receives to any rank
+};
+
 // Every call of the protocol (a piece of a collective), whatever the collective.
 struct CallArgs {
   const void* in;
@@ -59,7 +77,50 @@ struct CallArgs {
   Timeline* timeline;  // timeline builds (timeline.h): where the reducer records its events; else null
   uint64_t timeout_ns;      // how long to wait for one peer's line before giving up
   RowNorm norm;             // norm.hidden == 0 (a plain all-reduce) unless fused
+  Blocks blocks;            // a split all-to-all's
 };
+
+// A split all-to-all's block for rank t: its offset in the input and its elements. Returns -1, or in the counts
+// form the first rank p <= t whose count cannot be sent (negative, above the capacity, past the input), `elems`
+// then that count clamped to 32 bits (kBadSplits). The counts form reads the counts from the tensors' memory at
+// each call (a captured graph replays them as the routing wrote them).
+ROCENANTE_HD int send_block(const CallArgs& a, int t, size_t& offset, size_t& elems) {
+  const Blocks& b = a.blocks;
+  if (b.send_counts == nullptr) {
+    offset = b.send_offset[t], elems = b.send[t];
+    return -1;
+  }
+  int64_t rows = 0;  // of the blocks before p
+  for (int p = 0; p <= t; ++p) {
+    const int64_t n = b.send_counts[p];
+    if (n < 0 || n > int64_t(b.capacity / b.row) || rows + n > int64_t(b.in_rows)) {
+      elems = n < 0 || n > 0xFFFFFFFF ? 0xFFFFFFFFu : size_t(n);
+      return p;
+    }
+    offset = size_t(rows) * b.row, elems = size_t(n) * b.row;
+    rows += n;
+  }
+  return -1;
+}
+// Where rank s's block lands in the output (elements), and the most elements it may hold there.
+ROCENANTE_HD size_t recv_offset(const CallArgs& a, int s) {
+  return a.blocks.send_counts == nullptr ? a.blocks.recv_offset[s] : size_t(s) * a.blocks.capacity;
+}
+ROCENANTE_HD size_t recv_limit(const CallArgs& a, int s) {
+  return a.blocks.send_counts == nullptr ? a.blocks.recv[s] : a.blocks.capacity;
+}
+// Whether a header saying `bytes` from rank s is a block this rank takes: the size its lists expect, or (counts
+// form) whole rows within the capacity.
+ROCENANTE_HD bool block_expected(const CallArgs& a, int s, uint32_t bytes) {
+  const size_t esize = dtype_size(a.dtype);
+  if (a.blocks.send_counts == nullptr) return bytes == a.blocks.recv[s] * esize;
+  return bytes % (a.blocks.row * esize) == 0 && bytes <= a.blocks.capacity * esize;
+}
+ROCENANTE_HD size_t block_chunks(size_t bytes) { return (bytes + kChunkBytes - 1) / kChunkBytes; }
+// Chunks of each slot a launch walks (header included): the most it sends or receives.
+ROCENANTE_HD size_t block_walk(const CallArgs& a) {
+  return a.blocks.sent_chunks > a.blocks.received_chunks ? a.blocks.sent_chunks : a.blocks.received_chunks;
+}
 
 // Whether a call cuts its tensor into shards (Shards, layout.h), and the format its data travels in.
 ROCENANTE_HD bool sharded(const CallArgs& a) {
@@ -91,12 +152,14 @@ ROCENANTE_HD CallArgs piece_call(const CallArgs& a, int i) {
 // What the call writes into each area of its buffer (layout.h, footprint_ranges()); of a piece that makes two
 // calls, what each does.
 ROCENANTE_HD uint32_t footprint_of(const CallArgs& a) {
+  if (a.collective == Collective::kAllToAllV) return headed_footprint(a.blocks.slot_log2, a.blocks.received_chunks);
   return sharded(a) ? sharded_footprint(a.shards.slot_chunks, format_of(a)) : uint32_t(span_bytes(a.bytes, a.dtype));
 }
 // What the proxy delivers of the call to each network peer (delivery_range(), layout.h): of a piece that makes two
 // calls, what each delivers.
 static_assert(kMaxCapacityBytes / kChunkBytes < kSenderSlot, "a slot's chunks lie below kSenderSlot");
 ROCENANTE_HD uint32_t delivery_of(const CallArgs& a) {
+  if (a.collective == Collective::kAllToAllV) return headed_footprint(a.blocks.slot_log2, a.blocks.sent_chunks);
   return footprint_of(a) | (sharded(a) && a.collective == Collective::kAllGather ? kSenderSlot : 0u);
 }
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -46,6 +47,7 @@ const char* collective_name(Collective c) {
     case Collective::kAllGather: return "all_gather";
     case Collective::kReduceScatter: return "reduce_scatter";
     case Collective::kAllToAll: return "all_to_all";
+    case Collective::kAllToAllV: return "all_to_all_v";
   }
   return "?";
 }
@@ -53,6 +55,8 @@ const char* collective_name(Collective c) {
 // counts the whole tensor (an all-gather's output, a reduce-scatter's or all-to-all's input).
 std::string describe_call(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
                           Algorithm algorithm = Algorithm::kOneShot) {
+  if (collective == Collective::kAllToAllV)  // its count: the capacity of a block
+    return std::string("all_to_all_v with blocks of at most ") + std::to_string(count) + " x " + dtype_name(dtype);
   std::string what = std::string(collective_name(collective)) + " with " + std::to_string(count) + " x " +
                      dtype_name(dtype);
   if (collective != Collective::kAllReduce && collective != Collective::kFusedAllReduce) what += " in all";
@@ -161,11 +165,18 @@ std::string abort_reason(uint32_t cause) {
     case Fault::kLaunchFailed: return "rank " + peer + " could not launch a call";
     case Fault::kInterrupted: return "rank " + peer + " was interrupted by a signal";
     case Fault::kTransport: {
-      const int who = transport_cause_rank(detail);
+      const int who = cause_rank(detail);
       return (who < 0 ? std::string("its") : "rank " + std::to_string(who) + "'s") + " network path to rank " +
-             std::to_string(transport_cause_peer(detail)) + " failed";
+             std::to_string(cause_peer(detail)) + " failed";
     }
     case Fault::kPeerClosed: return "rank " + peer + " had closed its communicator";
+    case Fault::kSplitMismatch:
+      return "rank " + std::to_string(cause_rank(detail)) + " received from rank " +
+             std::to_string(cause_peer(detail)) +
+             " a block of a size it did not expect (a split all-to-all's splits disagree)";
+    case Fault::kBadSplits:
+      return "rank " + std::to_string(cause_rank(detail)) + "'s split counts for rank " +
+             std::to_string(cause_peer(detail)) + " could not be sent";
     case Fault::kPeerAborted:  // never a root cause (abort_from)
     case Fault::kPeersExited:  // never recorded (abort_seen), as kGoodbye
     case Fault::kGoodbye:
@@ -420,6 +431,111 @@ uint32_t Communicator::reduce_scatter(uintptr_t in, uintptr_t out, size_t count,
 
 uint32_t Communicator::all_to_all(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream) {
   return call(Collective::kAllToAll, in, out, count, dtype, ReduceOp::kSum, stream);
+}
+
+uint32_t Communicator::all_to_all_v(uintptr_t in, uintptr_t out, DType dtype, const std::vector<size_t>& send,
+                                    const std::vector<size_t>& recv, uintptr_t stream) {
+  refuse_in_forked_child();
+  std::unique_lock<std::mutex> lock(issue_);
+  poison_if_stopped(out, dtype, std::accumulate(recv.begin(), recv.end(), size_t(0)), 0);
+  check_issuable(dtype, ReduceOp::kSum);
+  CallArgs a = call_args(dtype, ReduceOp::kSum);
+  Blocks& b = a.blocks;
+  b.capacity = uint32_t(largest_block(layout_.capacity_bytes, world_, dtype));
+  const std::string what = describe_call(b.capacity, dtype, ReduceOp::kSum, Collective::kAllToAllV);
+  const char* why = int(send.size()) != world_ || int(recv.size()) != world_ ? "a split list of another length than the world"
+                    : send[rank_] != recv[rank_] ? "its own block's input and output splits differ"
+                                                 : nullptr;
+  size_t in_elems = 0, out_elems = 0;
+  std::string too_large;
+  for (int t = 0; why == nullptr && t < world_; ++t) {
+    if (too_large.empty() && (send[t] > b.capacity || recv[t] > b.capacity))
+      too_large = "a block of " + std::to_string(std::max(send[t], recv[t])) + " elements (to or from rank " +
+                  std::to_string(t) + ") is larger than a block can be with ROCENANTE_CAPACITY_BYTES=" +
+                  std::to_string(layout_.capacity_bytes) + " at this world size";
+    b.send[t] = uint32_t(send[t]), b.send_offset[t] = uint32_t(in_elems);
+    b.recv[t] = uint32_t(recv[t]), b.recv_offset[t] = uint32_t(out_elems);
+    in_elems += send[t], out_elems += recv[t];
+    b.sent_chunks = std::max<uint32_t>(b.sent_chunks, 1 + block_chunks(send[t] * dtype_size(dtype)));
+    b.received_chunks = std::max<uint32_t>(b.received_chunks, 1 + block_chunks(recv[t] * dtype_size(dtype)));
+  }
+  if (why == nullptr) why = validate_blocks(in, out, in_elems, out_elems, dtype);
+  if (why == nullptr && !too_large.empty()) {
+    if (kernel_ == nullptr) poison_host(reinterpret_cast<void*>(out), out_elems * dtype_size(dtype), dtype);
+    why = too_large.c_str();
+  }
+  if (why != nullptr) {
+    lock.unlock();
+    refuse(what + ": " + why);
+  }
+  return call_blocks(a, in, out, dtype, stream, what);
+}
+
+uint32_t Communicator::all_to_all_v_counts(uintptr_t in, uintptr_t out, DType dtype, uintptr_t send_counts,
+                                           uintptr_t recv_counts, size_t row, size_t in_rows, size_t capacity_rows,
+                                           uintptr_t stream) {
+  refuse_in_forked_child();
+  std::unique_lock<std::mutex> lock(issue_);
+  poison_if_stopped(out, dtype, world_ * capacity_rows * row, recv_counts);
+  check_issuable(dtype, ReduceOp::kSum);
+  const size_t largest = largest_block(layout_.capacity_bytes, world_, dtype);
+  if (row == 0 || capacity_rows == 0 || capacity_rows * row > largest)  // what every rank's call shares
+    ROCENANTE_THROW(InvalidArgument, "all_to_all_v of " + std::to_string(capacity_rows) + " rows of " +
+                                         std::to_string(row) + " x " + dtype_name(dtype) +
+                                         " a block: a block holds 1 to " + std::to_string(largest) +
+                                         " elements with ROCENANTE_CAPACITY_BYTES=" +
+                                         std::to_string(layout_.capacity_bytes) + " at this world size");
+  CallArgs a = call_args(dtype, ReduceOp::kSum);
+  Blocks& b = a.blocks;
+  b.send_counts = reinterpret_cast<const int64_t*>(send_counts);
+  b.recv_counts = reinterpret_cast<int64_t*>(recv_counts);
+  b.row = uint32_t(row), b.in_rows = uint32_t(in_rows), b.capacity = uint32_t(capacity_rows * row);
+  b.sent_chunks = b.received_chunks = uint32_t(size_t(1) << blocks_slot_log2(b.capacity, dtype));
+  const std::string what = describe_call(b.capacity, dtype, ReduceOp::kSum, Collective::kAllToAllV);
+  const char* why = send_counts == 0 || recv_counts == 0 || send_counts % 8 != 0 || recv_counts % 8 != 0
+                        ? "null or misaligned split counts"
+                        : validate_blocks(in, out, in_rows * row, world_ * b.capacity, dtype);
+  if (why != nullptr) {
+    lock.unlock();
+    refuse(what + ": " + why);
+  }
+  return call_blocks(a, in, out, dtype, stream, what);
+}
+
+// A CPU split all-to-all that a known fault stops before it starts computes nothing: its output (`out_elems`) is
+// poisoned and its counts (if any) set to -1, as a faulted call leaves them (the GPU's are the kernel's to poison).
+void Communicator::poison_if_stopped(uintptr_t out, DType dtype, size_t out_elems, uintptr_t recv_counts) {
+  if (kernel_ != nullptr || uint32_t(dtype) >= kNumDTypes || current_fault() == 0) return;
+  if (out != 0 && out % dtype_size(dtype) == 0) poison_host(reinterpret_cast<void*>(out), out_elems * dtype_size(dtype), dtype);
+  if (recv_counts != 0 && recv_counts % 8 == 0) std::fill_n(reinterpret_cast<int64_t*>(recv_counts), world_, int64_t(-1));
+}
+
+// What only this rank can see about a split all-to-all's tensors; nullptr when they are fine. Its input and
+// output never share memory (their blocks lie at different places).
+const char* Communicator::validate_blocks(uintptr_t in, uintptr_t out, size_t in_elems, size_t out_elems,
+                                          DType dtype) const {
+  const size_t esize = dtype_size(dtype);
+  if ((in == 0 && in_elems != 0) || (out == 0 && out_elems != 0)) return "null input or output pointer";
+  if (in % esize != 0 || out % esize != 0) return "input and output must be aligned to their element size";
+  if (in < out + out_elems * esize && out < in + in_elems * esize) return "input and output overlap";
+  return nullptr;
+}
+
+// A split all-to-all, one call of one piece (its blocks fit one; layout.h, kAllToAllV), under issue_.
+uint32_t Communicator::call_blocks(CallArgs& a, uintptr_t in, uintptr_t out, DType dtype, uintptr_t stream,
+                                   const std::string& what) {
+  a.collective = Collective::kAllToAllV;
+  a.algorithm = Algorithm::kOneShot;
+  a.in = reinterpret_cast<const void*>(in);
+  a.out = reinterpret_cast<void*>(out);
+  a.blocks.slot_log2 = blocks_slot_log2(a.blocks.capacity, dtype);
+  a.signature = call_signature(a.blocks.capacity, dtype, ReduceOp::kSum, Collective::kAllToAllV);
+  uint32_t epoch = 0;
+  if (const uint64_t fault = issue(a, stream, epoch)) {  // the host loop poisoned the output (host_call())
+    if (record(fault, epoch)) tell_peers(fault, epoch);
+    fail(fault_.load(), what);
+  }
+  return epoch;
 }
 
 uint32_t Communicator::call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op,
@@ -712,6 +828,19 @@ std::string Communicator::describe(uint64_t fault, uint32_t epoch, const std::st
     case Fault::kTransport:
       return where + "the network path to rank " + std::to_string(detail) + " failed: " +
              transport_status(fault_value(fault)) + closed;
+    case Fault::kSplitMismatch:
+      return where + "rank " + std::to_string(detail) + " sent this rank a block of " +
+             std::to_string(fault_value(fault)) + " bytes, which this rank's call does not expect" +
+             (this_call.empty() ? "" : " (" + this_call + ")") +
+             ": rank " + std::to_string(detail) + "'s input split for rank " + std::to_string(rank_) +
+             " must equal this rank's output split for rank " + std::to_string(detail) +
+             " (in the counts form: whole rows, at most the capacity)" + closed;
+    case Fault::kBadSplits:
+      return where + "the split counts say " +
+             (fault_value(fault) == 0xFFFFFFFFu ? std::string("a negative or huge number of") : std::to_string(fault_value(fault))) +
+             " rows for rank " + std::to_string(detail) +
+             ", which cannot be sent: each count must lie in [0, capacity] and together they must fit the input; "
+             "nothing was sent" + closed;
     case Fault::kPeersExited:
     case Fault::kGoodbye:
     case Fault::kNone: break;
@@ -724,12 +853,16 @@ void Communicator::fail(uint64_t fault, const std::string& this_call) {
   report(what);
   switch (fault_kind(fault)) {
     case Fault::kPeerTimeout: ROCENANTE_THROW(PeerTimeout, what);
-    case Fault::kCallMismatch: ROCENANTE_THROW(CallMismatch, what);
-    case Fault::kPeerAborted:  // a peer's timeout or mismatch keeps its class on every rank it reaches
-      if (Fault(fault_value(fault) >> 24) == Fault::kPeerTimeout) ROCENANTE_THROW(PeerTimeout, what);
-      if (Fault(fault_value(fault) >> 24) == Fault::kCallMismatch) ROCENANTE_THROW(CallMismatch, what);
+    case Fault::kCallMismatch:
+    case Fault::kSplitMismatch: ROCENANTE_THROW(CallMismatch, what);
+    case Fault::kPeerAborted: {  // a peer's timeout or mismatch keeps its class on every rank it reaches
+      const Fault cause = Fault(fault_value(fault) >> 24);
+      if (cause == Fault::kPeerTimeout) ROCENANTE_THROW(PeerTimeout, what);
+      if (cause == Fault::kCallMismatch || cause == Fault::kSplitMismatch) ROCENANTE_THROW(CallMismatch, what);
       ROCENANTE_THROW(PeerAborted, what);
-    case Fault::kRefused: ROCENANTE_THROW(InvalidArgument, what);
+    }
+    case Fault::kRefused:
+    case Fault::kBadSplits: ROCENANTE_THROW(InvalidArgument, what);
     case Fault::kInterrupted: ROCENANTE_THROW(Interrupted, what);
     case Fault::kLaunchFailed: ROCENANTE_THROW(Error, what);
     default: ROCENANTE_THROW(PeerAborted, what);

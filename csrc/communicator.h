@@ -79,6 +79,20 @@ class Communicator : public Watched {
   // Block s of `out` (elements [s * count, (s + 1) * count)) = block `rank` of rank s's `in` (world * count
   // elements each, every bit as given); `out` may be `in`. Issued and completed as all_reduce().
   uint32_t all_to_all(uintptr_t in, uintptr_t out, size_t count, DType dtype, uintptr_t stream);
+  // A split all-to-all (layout.h, kAllToAllV), one call: send[t] elements of `in` (packed in rank order) to rank t,
+  // recv[s] elements from rank s into `out` (packed in rank order), as torch's all_to_all_single with split lists
+  // (in elements). Each block's size is checked by its receiver against recv: a rank that sent another is named
+  // (a CallMismatchError). A block holds at most largest_block() elements (larger: refused). Issued and
+  // completed as all_reduce().
+  uint32_t all_to_all_v(uintptr_t in, uintptr_t out, DType dtype, const std::vector<size_t>& send,
+                        const std::vector<size_t>& recv, uintptr_t stream);
+  // The same with the splits in the tensors' memory (on the device for a GPU communicator: no host sync, and a
+  // captured graph reads them at each replay): send_counts[t] rows of `row` elements to rank t, of `in_rows`
+  // packed in rank order; rank s's block lands at rows [s * capacity_rows, ...) of `out` (world * capacity_rows
+  // rows), and the rows received from each rank are written to recv_counts (int64, world each; -1 each on a
+  // fault). capacity_rows is every rank's alike (the call's signature).
+  uint32_t all_to_all_v_counts(uintptr_t in, uintptr_t out, DType dtype, uintptr_t send_counts, uintptr_t recv_counts,
+                               size_t row, size_t in_rows, size_t capacity_rows, uintptr_t stream);
   // How all_reduce() moves a call of `bytes` bytes: two-shot from twoshot_from_bytes() on (agreed at startup).
   Algorithm algorithm_for(size_t bytes) const;
   uint32_t twoshot_from_bytes() const { return twoshot_from_; }
@@ -146,6 +160,9 @@ class Communicator : public Watched {
   // One call of any collective from the API (count: all_reduce's, all_gather's, reduce_scatter's or all_to_all's):
   // its pieces.
   uint32_t call(Collective c, uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, uintptr_t stream);
+  void poison_if_stopped(uintptr_t out, DType dtype, size_t out_elems, uintptr_t recv_counts);
+  const char* validate_blocks(uintptr_t in, uintptr_t out, size_t in_elems, size_t out_elems, DType dtype) const;
+  uint32_t call_blocks(CallArgs& a, uintptr_t in, uintptr_t out, DType dtype, uintptr_t stream, const std::string& what);
   const char* validate_fused(uintptr_t in, uintptr_t residual_in, uintptr_t gamma, uintptr_t residual_out,
                              uintptr_t norm_out, size_t count, size_t hidden, DType dtype) const;
   // The arguments every call of this communicator shares (its rank, regions, transports, timeout).

@@ -28,6 +28,12 @@ enum class Fault : uint32_t {
   // (abort_seen(), which reports kPeerClosed): every call up to its last, the peer made, and its data arrives.
   kGoodbye = 10,
   kPeerClosed = 11,  // detail: the peer that closed its communicator; value: the last call it made
+  // A split all-to-all (layout.h, kAllToAllV): the block a peer sent is not the size this rank expects of it;
+  // detail: the peer, value: the bytes it sent.
+  kSplitMismatch = 12,
+  // A split all-to-all's counts (on the device) that cannot be sent: negative, above the capacity, or past the
+  // input; detail: the rank the block was for, value: its count (rows; clamped to 32 bits, negative as 2^32 - 1).
+  kBadSplits = 13,
 };
 ROCENANTE_HD uint64_t encode_fault(Fault f, uint32_t detail, uint32_t value) {
   return (uint64_t(f) << 56) | (uint64_t(detail & 0xFFFFFFu) << 32) | value;
@@ -37,18 +43,20 @@ ROCENANTE_HD uint32_t fault_detail(uint64_t w) { return uint32_t(w >> 32) & 0xFF
 ROCENANTE_HD uint32_t fault_value(uint64_t w) { return uint32_t(w); }
 // An abort word is the root cause (kind and detail) of the writer's fault, with its epoch as value: a rank that
 // aborts because a peer did passes that peer's cause on, so every rank names the same root cause. A transport
-// fault's cause also names whose path failed (`rank`, the writer): detail (rank + 1) << 8 | the peer; a detail
-// below 256 names no one (transport_cause_rank()).
+// fault's or a split all-to-all's cause also names the rank that met it (`rank`, the writer): detail (rank + 1) << 8
+// | the peer; a detail below 256 names no one (cause_rank()).
 ROCENANTE_HD uint64_t abort_from(uint64_t own_fault, uint32_t epoch, int rank) {
   if (fault_kind(own_fault) == Fault::kPeerAborted)
     return encode_fault(Fault(fault_value(own_fault) >> 24), fault_value(own_fault) & 0xFFFFFFu, epoch);
-  const uint32_t detail = fault_detail(own_fault) | (fault_kind(own_fault) == Fault::kTransport ? uint32_t(rank + 1) << 8 : 0);
+  const Fault kind = fault_kind(own_fault);
+  const bool names_writer = kind == Fault::kTransport || kind == Fault::kSplitMismatch || kind == Fault::kBadSplits;
+  const uint32_t detail = fault_detail(own_fault) | (names_writer ? uint32_t(rank + 1) << 8 : 0);
   return encode_fault(fault_kind(own_fault), detail, epoch);
 }
 static_assert(kMaxRanks <= 256, "a transport cause holds the peer in 8 bits");
-// Of a transport cause's detail: the rank whose path failed (-1: not said), and the peer it failed to.
-ROCENANTE_HD int transport_cause_rank(uint32_t detail) { return int(detail >> 8) - 1; }
-ROCENANTE_HD int transport_cause_peer(uint32_t detail) { return int(detail & 0xFFu); }
+// Of such a cause's detail: the rank that met it (-1: not said), and the peer it names.
+ROCENANTE_HD int cause_rank(uint32_t detail) { return int(detail >> 8) - 1; }
+ROCENANTE_HD int cause_peer(uint32_t detail) { return int(detail & 0xFFu); }
 ROCENANTE_HD uint32_t abort_cause(uint64_t abort) { return (uint32_t(abort >> 56) << 24) | fault_detail(abort); }
 // What a rank records when it reads `abort` in abort[source] of its region.
 ROCENANTE_HD uint64_t peer_aborted(int source, uint64_t abort) {

@@ -366,10 +366,30 @@ void push_as(const CallArgs& a, int buffer, uint32_t call) {
     }
   }
 }
+// A split all-to-all's push (layout.h, kAllToAllV): block t, a header and then its elements, at slot t of peer
+// t's area (and of a network peer's image, every block but ours); the counts were checked before (host_call()).
+template <DType D>
+void push_blocks(const CallArgs& a, int buffer, uint32_t call) {
+  const size_t esize = dtype_size(a.dtype), slot = size_t(1) << a.blocks.slot_log2;
+  for (int p = 0; p < a.world; ++p) {
+    if (!(a.stores & (1u << p))) continue;
+    const Destinations to(a, buffer, 1u << p);
+    for (int t = 0; t < a.world; ++t) {
+      if (t != p && (t == a.rank || !(a.network & (1u << p)))) continue;
+      size_t offset = 0, elems = 0;
+      send_block(a, t, offset, elems);
+      const Words header = {uint32_t(elems * esize), 0, 0, 0};
+      put_chunks<Format::kLines>(to.area[0], t * slot, 1, &header, call);
+      send<D, Format::kLines>(to, static_cast<const char*>(a.in) + offset * esize, elems * esize, t * slot + 1, call);
+    }
+  }
+}
 // The call's format (format_of(args)): the dtype's, or lines for what must come back bit for bit.
 template <DType D>
 void push(const CallArgs& a, int buffer, uint32_t call) {
-  if (format_of(a) == Format::kLines)
+  if (a.collective == Collective::kAllToAllV)
+    push_blocks<D>(a, buffer, call);
+  else if (format_of(a) == Format::kLines)
     push_as<D, Format::kLines>(a, buffer, call);
   else
     push_as<D, format_of(D)>(a, buffer, call);
@@ -423,30 +443,27 @@ uint64_t reduce(const CallArgs& a, const uint32_t* const* areas, size_t at, cons
   return 0;
 }
 
-// Copies every peer's shard to out + s * stride_bytes, in whatever order they arrive: peer s sent sh.bytes_of(s)
-// bytes as chunks [t * slot_chunks, ...) of its area, areas[s], at slot t = s (its own shard: all-gather, two-shot's
-// second exchange) or t = our rank (the block it sends us: all-to-all, whose blocks are all of one size). One wait
-// for the set of peers still owed, as the other phases wait: a peer that ended fails it at once, also while another
-// is late. The wait starts afresh after each copy, so the timeout bounds the time without progress, as a wait per
-// block would.
+// Copies what each peer s sent into dst[s]: bytes[s] bytes as chunks [at[s], ...) of its area, areas[s], in
+// whatever order they arrive. One wait for the set of peers still owed, as the other phases wait: a peer that
+// ended fails it at once, also while another is late. The wait starts afresh after each copy, so the timeout
+// bounds the time without progress, as a wait per block would.
 template <Format F>
-uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t epoch, InterruptCheck interrupted) {
-  const Shards& sh = a.shards;
+uint64_t gather(const CallArgs& a, const uint32_t* const* areas, const size_t* at, const size_t* bytes,
+                char* const* dst, uint32_t epoch, InterruptCheck interrupted) {
   const uint32_t call = make_flag(a.signature, epoch);
-  size_t copied[kMaxRanks] = {};  // chunks of each peer's shard copied out
+  size_t copied[kMaxRanks] = {};  // chunks of each peer's data copied out
   uint32_t owed = peers_of(a);
   const auto copy_arrived = [&] {  // true if it copied anything
     bool progress = false;
     for (int s = 0; s < a.world; ++s) {
       if (!(owed & (1u << s))) continue;
-      const int slot = a.collective == Collective::kAllToAll ? a.rank : s;
-      const size_t at = slot * sh.slot_chunks, bytes = sh.bytes_of(s), chunks = (bytes + kChunkBytes - 1) / kChunkBytes;
-      const size_t until = arrived_until<F>(areas[s], at + copied[s], at + chunks, call) - at;
+      const size_t chunks = block_chunks(bytes[s]);
+      const size_t until = arrived_until<F>(areas[s], at[s] + copied[s], at[s] + chunks, call) - at[s];
       for (size_t n; copied[s] < until; copied[s] += n, progress = true) {
         n = std::min(kBlockChunks, until - copied[s]);
         Words staged[kBlockChunks];
-        for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(areas[s], at + copied[s] + i);
-        store_block(out + s * a.stride_bytes, bytes, copied[s], n, staged);
+        for (size_t i = 0; i < n; ++i) staged[i] = peer_chunk<F>(areas[s], at[s] + copied[s] + i);
+        store_block(dst[s], bytes[s], copied[s], n, staged);
       }
       if (copied[s] == chunks) owed &= ~(1u << s);
     }
@@ -458,6 +475,44 @@ uint64_t gather(const CallArgs& a, const uint32_t* const* areas, char* out, uint
         }))
       return fault;
   return 0;
+}
+
+// The shards of a sharded call: peer s sent sh.bytes_of(s) bytes at slot t = s (its own shard: all-gather,
+// two-shot's second exchange) or t = our rank (the block it sends us: all-to-all), for out + s * stride_bytes.
+template <Format F>
+uint64_t gather_shards(const CallArgs& a, const uint32_t* const* areas, char* out, uint32_t epoch,
+                       InterruptCheck interrupted) {
+  size_t at[kMaxRanks], bytes[kMaxRanks];
+  char* dst[kMaxRanks];
+  for (int s = 0; s < a.world; ++s) {
+    at[s] = (a.collective == Collective::kAllToAll ? a.rank : s) * a.shards.slot_chunks;
+    bytes[s] = a.shards.bytes_of(s);
+    dst[s] = out + s * a.stride_bytes;
+  }
+  return gather<F>(a, areas, at, bytes, dst, epoch, interrupted);
+}
+
+// A split all-to-all's blocks (layout.h, kAllToAllV): ours from our input, then each peer's header, checked
+// against the size we expect of that peer, then its block.
+uint64_t gather_blocks(const CallArgs& a, const uint32_t* const* areas, uint32_t epoch, InterruptCheck interrupted) {
+  const Blocks& b = a.blocks;
+  const size_t esize = dtype_size(a.dtype), at = size_t(a.rank) << b.slot_log2;
+  char* const out = static_cast<char*>(a.out);
+  size_t offset = 0, elems = 0;
+  send_block(a, a.rank, offset, elems);
+  std::memmove(out + recv_offset(a, a.rank) * esize, static_cast<const char*>(a.in) + offset * esize, elems * esize);
+  if (b.recv_counts != nullptr) b.recv_counts[a.rank] = int64_t(elems / b.row);
+  if (const uint64_t fault = wait_chunks<Format::kLines>(a, areas, peers_of(a), at, 1, epoch, interrupted)) return fault;
+  size_t ats[kMaxRanks], bytes[kMaxRanks];
+  char* dst[kMaxRanks];
+  for (int s = 0; s < a.world; ++s) {
+    if (s == a.rank) continue;
+    const uint32_t sent = peer_chunk<Format::kLines>(areas[s], at)[0];
+    if (!block_expected(a, s, sent)) return encode_fault(Fault::kSplitMismatch, s, sent);
+    if (b.recv_counts != nullptr) b.recv_counts[s] = int64_t(sent / (b.row * esize));
+    ats[s] = at + 1, bytes[s] = sent, dst[s] = out + recv_offset(a, s) * esize;
+  }
+  return gather<Format::kLines>(a, areas, ats, bytes, dst, epoch, interrupted);
 }
 
 // The pull (step 3). `done`: bytes of a one-shot call's output written (the rest is poisoned on a fault).
@@ -493,6 +548,7 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
   const uint32_t* areas[kMaxRanks] = {};
   for (int s = 0; s < a.world; ++s)
     if (s != a.rank) areas[s] = area(a.local, a.layout, buffer, a.rank, s);
+  if (a.collective == Collective::kAllToAllV) return gather_blocks(a, areas, epoch, interrupted);
   if (!sharded(a)) return reduce<D, Op>(a, areas, 0, a.in, a.out, a.bytes, epoch, nullptr, interrupted, done);
 
   const Shards& sh = a.shards;
@@ -512,8 +568,8 @@ uint64_t pull(const CallArgs& a, uint32_t epoch, InterruptCheck interrupted, siz
       return fault;
     if (!two_shot) return 0;
   }
-  return format_of(a) == Format::kLines ? gather<Format::kLines>(a, areas, out, epoch, interrupted)
-                                        : gather<format_of(D)>(a, areas, out, epoch, interrupted);
+  return format_of(a) == Format::kLines ? gather_shards<Format::kLines>(a, areas, out, epoch, interrupted)
+                                        : gather_shards<format_of(D)>(a, areas, out, epoch, interrupted);
 }
 
 // stop_after_push(): the pushes still to make before the test's signal (0: none), and the signal.
@@ -525,15 +581,23 @@ uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptC
   const int buffer = buffer_of(epoch);
   const uint32_t call = make_flag(a.signature, epoch);
   note(a.timeline, epoch, kKernelStart);
+  uint64_t fault = 0;
+  size_t done = 0;
+  if (a.collective == Collective::kAllToAllV) {  // counts that cannot be sent: nothing is sent
+    for (int t = 0; t < a.world && fault == 0; ++t) {
+      size_t offset, elems;
+      if (const int bad = send_block(a, t, offset, elems); bad >= 0) fault = encode_fault(Fault::kBadSplits, bad, elems);
+    }
+  }
 
   // The previous call's reset (step 2) must land before what a peer sends after seeing our data of this call:
   // release orders those earlier stores before the pushes below.
   std::atomic_thread_fence(std::memory_order_release);
-  for (int p = 0; p < a.world; ++p)
+  for (int p = 0; p < a.world && fault == 0; ++p)
     if (a.stores & (1u << p)) store_word(call_word(a.peer[p], buffer, a.rank), call);
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call); });
+  if (fault == 0) dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp>() { push<D>(a, buffer, call); });
   // Network peers: the proxy delivers what the image now holds (layout.h, Mailbox).
-  if (a.mailbox != nullptr) {
+  if (a.mailbox != nullptr && fault == 0) {
     __atomic_store_n(&a.mailbox->ring[buffer], ring_word(delivery_of(a), epoch), __ATOMIC_RELEASE);
     note(a.timeline, epoch, kKernelRing);
   }
@@ -550,11 +614,16 @@ uint64_t host_call(const CallArgs& a, uint32_t epoch, uint32_t reset, InterruptC
       for (size_t b = begin[i]; b < end[i]; b += kChunkBytes) put_chunk(stale + b / sizeof(uint32_t), kEmptyChunk);
   }
 
-  uint64_t fault = 0;
-  size_t done = 0;
-  dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, interrupted, done); });
+  if (fault == 0)
+    dispatch_dtype_op(a.dtype, a.op, [&]<DType D, ReduceOp Op>() { fault = pull<D, Op>(a, epoch, interrupted, done); });
   if (fault != 0) {  // every output byte not computed: a one-shot call's rest, a sharded call's whole output
-    if (!sharded(a)) {
+    if (a.collective == Collective::kAllToAllV) {  // every block's place, and no count received
+      for (int s = 0; s < a.world; ++s) {
+        poison_host(static_cast<char*>(a.out) + recv_offset(a, s) * dtype_size(a.dtype),
+                    recv_limit(a, s) * dtype_size(a.dtype), a.dtype);
+        if (a.blocks.recv_counts != nullptr) a.blocks.recv_counts[s] = -1;
+      }
+    } else if (!sharded(a)) {
       poison_host(static_cast<char*>(a.out) + done, a.bytes - done, a.dtype);
     } else if (a.collective == Collective::kReduceScatter) {
       poison_host(a.out, a.shards.bytes_of(a.rank), a.dtype);

@@ -148,25 +148,45 @@ ROCENANTE_HD size_t piece_bytes(size_t capacity_bytes, DType t) {
 
 // What a call wrote into each area of its buffer, as one word that the next call of that buffer reads to reset
 // it: a one-shot call's span_bytes() (below 2^30), or a sharded call's slot_chunks with bit 31 set, and bit 30
-// for the line format (Shards). footprint_ranges() gives the byte ranges of area (b, source) of receiver's
-// region to reset, at most two (they may overlap: resetting a word twice is harmless).
+// for the line format (Shards), or a split all-to-all's headed footprint (below). footprint_ranges() gives the
+// byte ranges of area (b, source) of receiver's region to reset, at most two (they may overlap: resetting a word
+// twice is harmless).
 constexpr uint32_t kShardedFootprint = 0x80000000u, kLinesFootprint = 0x40000000u;
 ROCENANTE_HD uint32_t sharded_footprint(size_t slot_chunks, Format f) {
   return kShardedFootprint | (f == Format::kLines ? kLinesFootprint : 0u) | uint32_t(slot_chunks);
 }
-// Bytes [begin, end) of an area that slot `index` of `slot_chunks` chunks takes (Shards, below), in whole groups
-// of lines for the line format.
-ROCENANTE_HD void slot_range(size_t index, size_t slot_chunks, bool lines, size_t& begin, size_t& end) {
-  size_t c0 = index * slot_chunks, c1 = c0 + slot_chunks;
+// A split all-to-all (kAllToAllV, below) writes into each area one slot of 2^k chunks, and of it only the first
+// `used` chunks: its footprint is kShardedFootprint | kLinesFootprint | kHeadedFootprint | k << 21 | used.
+constexpr uint32_t kHeadedFootprint = 0x10000000u;
+constexpr int kHeadedLog2Shift = 21;
+ROCENANTE_HD uint32_t headed_footprint(int slot_log2, size_t used) {
+  return kShardedFootprint | kLinesFootprint | kHeadedFootprint | (uint32_t(slot_log2) << kHeadedLog2Shift) |
+         uint32_t(used);
+}
+// Bytes [begin, end) of an area that chunks [c0, c1) take, in whole groups of lines for the line format.
+ROCENANTE_HD void chunk_range(size_t c0, size_t c1, bool lines, size_t& begin, size_t& end) {
   if (lines) {
     c0 = c0 / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
     c1 = (c1 + kChunksPerGroup - 1) / kChunksPerGroup * kChunksPerGroup * kLinesPerChunk;
   }
   begin = c0 * kChunkBytes, end = c1 * kChunkBytes;
 }
+// Bytes of an area that slot `index` of `slot_chunks` chunks takes (Shards, below).
+ROCENANTE_HD void slot_range(size_t index, size_t slot_chunks, bool lines, size_t& begin, size_t& end) {
+  chunk_range(index * slot_chunks, (index + 1) * slot_chunks, lines, begin, end);
+}
+// What of slot `index` a headed footprint (or delivery) covers: its first `used` chunks.
+ROCENANTE_HD void headed_range(uint32_t word, size_t index, size_t& begin, size_t& end) {
+  const size_t slot = size_t(1) << ((word >> kHeadedLog2Shift) & 31u);
+  chunk_range(index * slot, index * slot + (word & ((1u << kHeadedLog2Shift) - 1)), true, begin, end);
+}
 ROCENANTE_HD int footprint_ranges(uint32_t footprint, int receiver, int source, size_t (&begin)[2], size_t (&end)[2]) {
   if (!(footprint & kShardedFootprint)) {
     begin[0] = 0, end[0] = footprint;
+    return 1;
+  }
+  if (footprint & kHeadedFootprint) {  // only slot `receiver` was written
+    headed_range(footprint, size_t(receiver), begin[0], end[0]);
     return 1;
   }
   const size_t slot = footprint & (kLinesFootprint - 1);
@@ -179,7 +199,8 @@ ROCENANTE_HD int footprint_ranges(uint32_t footprint, int receiver, int source, 
 // receives the blocks of the others. A ring's delivery word (delivery_of(), call_args.h) is the call's footprint,
 // with kSenderSlot set where each peer reads the sender's slot (all-gather, two-shot's second exchange) rather than
 // its own (two-shot's first exchange, reduce-scatter, all-to-all): a one-shot call delivers its span, a sharded
-// one that slot, in whole groups of lines for the line format. A delivered range may reach into a neighbouring slot
+// one that slot, in whole groups of lines for the line format, a split all-to-all the first chunks of that slot
+// that the sender writes to any peer (its headed footprint). A delivered range may reach into a neighbouring slot
 // (a group of lines shared by two slots, a shard shorter than its slot): that is the image as an earlier call left
 // it, which the receiver never reads, as it never reads outside the slot it waits for (layout.h's argument above
 // holds for what it reads: all of it was written by this call, and delivered before the call's signal).
@@ -189,6 +210,7 @@ ROCENANTE_HD void delivery_range(uint32_t delivery, int receiver, int sender, si
     begin = 0, end = delivery;
     return;
   }
+  if (delivery & kHeadedFootprint) return headed_range(delivery, size_t(receiver), begin, end);
   slot_range(size_t(delivery & kSenderSlot ? sender : receiver), delivery & (kSenderSlot - 1),
              delivery & kLinesFootprint, begin, end);
 }
@@ -254,6 +276,7 @@ enum class Collective : uint32_t {
   kAllGather = 2,
   kReduceScatter = 3,
   kAllToAll = 4,
+  kAllToAllV = 5,
 };
 enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 
@@ -276,9 +299,12 @@ enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 // an all-gather or a reduce-scatter with two-shot (6, 7) were never signed, and 6 is all-to-all's: one code per
 // kind, as the signature must be injective. (A two-shot piece's calls over a network wire carry collectives of
 // their own in CallArgs, piece_call(), but the piece's signature.)
-constexpr uint32_t kAllToAllKind = 6;
+// A split all-to-all (Blocks, below) takes the last code, 7; its count field is the capacity of a block.
+constexpr uint32_t kAllToAllKind = 6, kAllToAllVKind = 7;
 ROCENANTE_HD uint32_t call_kind(Collective collective, Algorithm algorithm) {
-  return collective == Collective::kAllToAll ? kAllToAllKind : (uint32_t(algorithm) << 2) | uint32_t(collective);
+  if (collective == Collective::kAllToAll) return kAllToAllKind;
+  if (collective == Collective::kAllToAllV) return kAllToAllVKind;
+  return (uint32_t(algorithm) << 2) | uint32_t(collective);
 }
 ROCENANTE_HD uint32_t call_signature(size_t count, DType dtype, ReduceOp op, Collective collective = Collective::kAllReduce,
                                      Algorithm algorithm = Algorithm::kOneShot) {
@@ -289,10 +315,11 @@ ROCENANTE_HD size_t signature_count(uint32_t sig) { return ((sig >> 5) & 0xFFFFF
 ROCENANTE_HD DType signature_dtype(uint32_t sig) { return DType((sig >> 3) & 3); }
 ROCENANTE_HD ReduceOp signature_op(uint32_t sig) { return ReduceOp((sig >> 1) & 3); }
 ROCENANTE_HD Collective signature_collective(uint32_t sig) {
-  return sig >> 29 == kAllToAllKind ? Collective::kAllToAll : Collective((sig >> 29) & 3);
+  if (sig >> 29 == kAllToAllKind) return Collective::kAllToAll;
+  return sig >> 29 == kAllToAllVKind ? Collective::kAllToAllV : Collective((sig >> 29) & 3);
 }
 ROCENANTE_HD Algorithm signature_algorithm(uint32_t sig) {
-  return sig >> 29 == kAllToAllKind ? Algorithm::kOneShot : Algorithm(sig >> 31);
+  return sig >> 29 >= kAllToAllKind ? Algorithm::kOneShot : Algorithm(sig >> 31);
 }
 static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the largest piece fits in 24 bits");
 
@@ -300,7 +327,8 @@ static_assert(kMaxCapacityBytes / 2 <= (size_t(1) << 24), "count - 1 of the larg
 // NaN payloads included), which the Lamport format cannot carry (its empty word is a float's -0.0), so they travel
 // as lines (but a two-shot piece's second call: format_of(args), call_args.h); the reductions as format_of(dtype).
 constexpr ROCENANTE_HD Format format_of(Collective c, DType t) {
-  return c == Collective::kAllGather || c == Collective::kAllToAll ? Format::kLines : format_of(t);
+  return c == Collective::kAllGather || c == Collective::kAllToAll || c == Collective::kAllToAllV ? Format::kLines
+                                                                                                  : format_of(t);
 }
 
 // Where the calls that cut the tensor into shards (two-shot, reduce-scatter, all-gather, all-to-all) put each
@@ -349,6 +377,33 @@ ROCENANTE_HD size_t slots_span_bytes(const Shards& s, int world, Format f) {
 // Largest slot (in chunks) of a sharded call in an area of `capacity_bytes`.
 ROCENANTE_HD size_t max_slot_chunks(size_t capacity_bytes, int world, Format f) {
   return capacity_bytes / (kChunkBytes * size_t(world) * (f == Format::kLamport ? 1 : kLinesPerChunk));
+}
+
+// A split all-to-all (kAllToAllV: blocks of any size, as torch's all_to_all_single with split lists) moves at most
+// `capacity` elements (the signature's count) from each rank to each. Each block takes a slot of 2^k chunks
+// (blocks_slot_log2()) in its area, slot r for receiver r as the other sharded calls place it: the slot's first
+// chunk a header {the block's bytes, 0, 0, 0}, the block from its second chunk on, all of it in lines. Rank s
+// writes into area (b, s) of rank r's region only slot r, and of it only its first 1 + ceil(bytes / 16) chunks.
+// Rank r waits for the header, checks the size against the one it expects from s (a fact only the two of them
+// share: its own split lists, or at most the capacity in the counts form), and only then waits for and copies out
+// the block: a size it does not expect is a fault naming s (kSplitMismatch), never a block cut short or read past.
+// The call's footprint and its deliveries cover only the chunks written (headed_footprint(): from its lists each
+// rank knows the most it sends and receives; in the counts form, where the host knows neither, the whole slot).
+ROCENANTE_HD int blocks_slot_log2(size_t capacity, DType t) {
+  const size_t chunks = 1 + (capacity * dtype_size(t) + kChunkBytes - 1) / kChunkBytes;
+  int k = 0;
+  while ((size_t(1) << k) < chunks) ++k;
+  return k;
+}
+static_assert(kMaxCapacityBytes / (kChunkBytes * kLinesPerChunk * 2) < (1u << kHeadedLog2Shift),
+              "a slot's chunks (at least two slots of lines an area) lie below a headed footprint's log2 field");
+// The most elements a block may hold in an area of `capacity_bytes`: the largest slot of 2^k chunks that world
+// slots of lines fit, less its header.
+ROCENANTE_HD size_t largest_block(size_t capacity_bytes, int world, DType t) {
+  const size_t slots = max_slot_chunks(capacity_bytes, world, Format::kLines);
+  size_t slot = 1;
+  while (slot * 2 <= slots) slot *= 2;
+  return (slot - 1) * kChunkBytes / dtype_size(t);
 }
 
 // Never kEmpty (bit 0 set). For a fixed epoch it is injective in the signature, so a flag tells exactly which

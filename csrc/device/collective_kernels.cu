@@ -440,6 +440,16 @@ __device__ __forceinline__ void poison_if_faulted(const CallArgs& a, const Devic
   }
   __syncthreads();
   if (!last || *reinterpret_cast<volatile uint32_t*>(s.fault_mask) == 0) return;
+  if (a.collective == Collective::kAllToAllV) {  // every block's place, and no count received
+    const size_t esize = dtype_size(a.dtype);
+    for (int t = 0; t < a.world; ++t) {
+      const size_t bytes = recv_limit(a, t) * esize;
+      for (size_t j = threadIdx.x; j < block_chunks(bytes); j += blockDim.x)
+        store_poison(static_cast<char*>(a.out) + recv_offset(a, t) * esize, j * kChunkBytes, bytes, a.dtype);
+      if (threadIdx.x == 0 && a.blocks.recv_counts != nullptr) a.blocks.recv_counts[t] = -1;
+    }
+    return;
+  }
   const Shards& sh = a.shards;
   const bool own_only = a.collective == Collective::kReduceScatter;  // its output is our reduced shard
   for (int t = 0; t < a.world; ++t) {
@@ -599,6 +609,101 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
   end_launch(a, s, last, first);
 }
 
+// A split all-to-all (layout.h, kAllToAllV), one launch. Thread v of world * walk (block_walk(): the most chunks a
+// slot of this call holds, header included) takes chunk j = v % walk of slot t = v / walk:
+//   push:    block t's header (j = 0) or its chunk j - 1 into our area of rank t's region, at slot t (a network
+//            peer's image: every block but ours), our own block into its place in our output; counts the
+//            counts form cannot send fail the call before anything is sent (kBadSplits);
+//   reset:   the footprint of the call before, as the other kernels;
+//   receive: rank t's header at slot r of its area, checked against the size this rank expects of t (a size it
+//            does not expect fails the call naming t, kSplitMismatch), then chunk j - 1 of its block into its
+//            place in our output; the thread of j = 0 writes the counts form's received rows.
+// Deadlock-free as the others: every thread sends before it waits, and waits only for the peers' sends. Input
+// and output never overlap (Communicator checks), so no thread's read follows another's write.
+template <int W>
+__global__ void __launch_bounds__(kThreads) blocks_kernel(const CallArgs a, const DeviceState s) {
+  constexpr Format F = Format::kLines;
+  const uint32_t epoch = begin_launch(s);
+  const int buffer = buffer_of(epoch);
+  const uint32_t call = make_flag(a.signature, epoch);
+  const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const int r = a.rank;
+  const Blocks& b = a.blocks;
+  const size_t esize = dtype_size(a.dtype), slot = size_t(1) << b.slot_log2, walk = block_walk(a);
+  const size_t all = size_t(a.world) * walk;
+  const char* const in = static_cast<const char*>(a.in);
+  char* const out = static_cast<char*>(a.out);
+  bool failed = *reinterpret_cast<volatile uint32_t*>(s.fault_mask) != 0;
+  if (first == 0) note(a, epoch, kKernelStart);
+
+  for (int t = 0; t < a.world && !failed; ++t) {
+    size_t offset, elems;
+    if (const int bad = send_block(a, t, offset, elems); bad >= 0) {
+      if (first == 0) record_fault(a, s, encode_fault(Fault::kBadSplits, uint32_t(bad), uint32_t(elems)), epoch);
+      failed = true;
+    }
+  }
+  if (!failed) {
+    if (first == 0) send_call_word<W>(a, buffer, call);
+    for (size_t v = first; v < all; v += stride) {
+      const int t = int(v / walk);
+      const size_t j = v % walk;
+      size_t offset = 0, elems = 0;
+      send_block(a, t, offset, elems);
+      const size_t bytes = elems * esize;
+      if (j > block_chunks(bytes)) continue;
+      uint32_t w[4] = {uint32_t(bytes), 0, 0, 0};
+      if (j > 0) load_words(in + offset * esize, (j - 1) * kChunkBytes, bytes, a.dtype, w);
+      if (t == r) {  // our own block stays with us
+        if (j > 0) store_words(out + recv_offset(a, r) * esize, (j - 1) * kChunkBytes, bytes, a.dtype, w);
+        else if (b.recv_counts != nullptr) b.recv_counts[r] = int64_t(elems / b.row);
+        continue;
+      }
+#pragma unroll
+      for (int p = 0; p < W; ++p)
+        if (p < a.world && (a.stores & (1u << p)) && (p == t || (a.network & (1u << p))))
+          send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), t * slot + j, w, call);
+    }
+  }
+  if (a.network != 0) ring_doorbell(a, s, 0, epoch, buffer, delivery_of(a), !failed);
+  reset_previous(a, s, epoch, buffer, first, stride);
+
+  uint32_t calls_seen = 0;  // peers whose call word this thread has read equal to ours
+  uint64_t deadline = 0;
+  for (size_t v = first; v < all && !failed; v += stride) {
+    const int t = int(v / walk);
+    const size_t j = v % walk;
+    if (t == r) continue;
+    uint32_t got[W][kWireWords<F>];
+    uint32_t w[4];
+    failed = !receive<F, W>(a, s, epoch, buffer, call, r * slot, 1u << t, calls_seen, deadline, got);
+    if (failed) break;
+#pragma unroll
+    for (int p = 0; p < W; ++p)
+      if (p == t) payload<F>(got[p], w);
+    const uint32_t bytes = w[0];
+    if (!block_expected(a, t, bytes)) {
+      if (j == 0) record_fault(a, s, encode_fault(Fault::kSplitMismatch, uint32_t(t), bytes), epoch);
+      failed = true;
+      break;
+    }
+    if (j == 0) {
+      if (b.recv_counts != nullptr) b.recv_counts[t] = int64_t(bytes / (b.row * esize));
+      continue;
+    }
+    if (j > block_chunks(bytes)) continue;
+    failed = !receive<F, W>(a, s, epoch, buffer, call, r * slot + j, 1u << t, calls_seen, deadline, got);
+    if (failed) break;
+#pragma unroll
+    for (int p = 0; p < W; ++p)
+      if (p == t) payload<F>(got[p], w);
+    store_words(out + recv_offset(a, t) * esize, (j - 1) * kChunkBytes, bytes, a.dtype, w);
+  }
+  poison_if_faulted(a, s);
+  end_launch(a, s, epoch, first);
+}
+
 // Tests only (test_fault_record_race(), launch.cc), one thread per CTA: CTA 0 records `first` at `epoch` and holds
 // the record half written for 20 ms; 1 ms in, CTA 1 records `second` at epoch + 1 and holds it for 5 ms, as two
 // threads of a two-shot launch (its reduce and its gather) may.
@@ -623,6 +728,10 @@ void dispatch_world(int world, F&& f) {
 
 const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
   const void* kernel = nullptr;
+  if (variant == Variant::kAllToAllV) {  // moves bits: one kernel for every dtype
+    dispatch_world(world, [&]<int W>() { kernel = reinterpret_cast<const void*>(blocks_kernel<W>); });
+    return kernel;
+  }
   if (variant == Variant::kAllGather || variant == Variant::kAllToAll) {  // move bits: one kernel for every dtype
     dispatch_world(world, [&]<int W>() {               // (sizes are the call's)
       kernel = variant == Variant::kAllGather
@@ -647,7 +756,8 @@ const void* kernel_entry(DType dtype, ReduceOp op, int world, Variant variant) {
           kernel = reinterpret_cast<const void*>(sharded_kernel<D, Op, W, Collective::kReduceScatter>);
           break;
         case Variant::kAllGather:
-        case Variant::kAllToAll: break;
+        case Variant::kAllToAll:
+        case Variant::kAllToAllV: break;
       }
     });
   });

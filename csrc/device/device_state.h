@@ -43,14 +43,15 @@ struct DeviceState {
 
 // The kernels: one-shot all-reduce, plain or with the add + RMSNorm epilogue (oneshot_allreduce_kernel), and the
 // sharded collectives (sharded_kernel).
-enum class Variant : int { kOneShot = 0, kFused, kTwoShot, kReduceScatter, kAllGather, kAllToAll };
-constexpr int kNumVariants = 6;
+enum class Variant : int { kOneShot = 0, kFused, kTwoShot, kReduceScatter, kAllGather, kAllToAll, kAllToAllV };
+constexpr int kNumVariants = 7;
 inline Variant variant_of(const CallArgs& a) {
   switch (a.collective) {
     case Collective::kFusedAllReduce: return Variant::kFused;
     case Collective::kAllGather: return Variant::kAllGather;
     case Collective::kReduceScatter: return Variant::kReduceScatter;
     case Collective::kAllToAll: return Variant::kAllToAll;
+    case Collective::kAllToAllV: return Variant::kAllToAllV;
     case Collective::kAllReduce: break;
   }
   return a.algorithm == Algorithm::kTwoShot ? Variant::kTwoShot : Variant::kOneShot;

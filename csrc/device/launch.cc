@@ -141,10 +141,13 @@ class CudaCollectiveKernel final : public CollectiveKernel {
     const CallArgs& a = args;
     const Variant variant = variant_of(a);
     const int max_blocks = max_blocks_[int(a.dtype)][int(a.op)][int(variant)];
-    // A sharded call's threads walk the slots' chunks (sharded_kernel).
-    const LaunchShape shape = variant == Variant::kFused ? fused_shape(a, max_blocks)
-                              : sharded(a) ? chunk_shape(a.world * a.shards.slot_chunks * kChunkBytes, max_blocks)
-                                           : chunk_shape(a.bytes, max_blocks);
+    // A sharded call's threads walk the slots' chunks (sharded_kernel), a split all-to-all's what it moves of
+    // them (blocks_kernel).
+    const LaunchShape shape =
+        variant == Variant::kFused       ? fused_shape(a, max_blocks)
+        : variant == Variant::kAllToAllV ? chunk_shape(a.world * block_walk(a) * kChunkBytes, max_blocks)
+        : sharded(a)                     ? chunk_shape(a.world * a.shards.slot_chunks * kChunkBytes, max_blocks)
+                                         : chunk_shape(a.bytes, max_blocks);
     cudaLaunchAttribute overlap{};
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;  // start while the previous kernel ends
     overlap.val.programmaticStreamSerializationAllowed = 1;

@@ -282,21 +282,34 @@ class RocenanteProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        """all_to_all_single: through rocenante where both splits are equal (a list empty, or world_size equal parts
-        of dim 0) and input and output match in dtype, shape and device, else the delegate. A pair that exchanges
-        a block shares its split, so ranks whose splits are all equal agree on them; a program whose splits are
-        equal on some ranks only leaves those ranks waiting for the others on rocenante until the timeout, which
-        names them (docs/guarantees.md)."""
+        """all_to_all_single: through rocenante where input and output match in dtype and device, else the
+        delegate. Equal splits (a list empty, or world_size equal parts of dim 0) go as an all-to-all of equal
+        blocks within the threshold; any other splits as a split all-to-all of one piece, whatever their size (a
+        rank knows only its own blocks' sizes, so no size can decide the path alike on every rank): a block larger
+        than Communicator.largest_block() is refused and the communicator faults, on every rank. A pair that
+        exchanges a block shares its split, and the receiver checks it; a program whose splits are equal on some
+        ranks only leaves those ranks waiting for the others until the timeout, which names them
+        (docs/guarantees.md)."""
         world = self.size()
         comm = None
-        if _equal_splits(input, input_split_sizes, world) and _equal_splits(output, output_split_sizes, world) \
-                and output.dtype == input.dtype and output.shape == input.shape and output.device == input.device:
-            comm = self._eligible(input, "sum", "all_to_all")
+        alike = output.dtype == input.dtype and output.device == input.device and input.dim() > 0 \
+            and output.shape[1:] == input.shape[1:]
+        equal = _equal_splits(input, input_split_sizes, world) and _equal_splits(output, output_split_sizes, world) \
+            and output.shape == input.shape
+        if alike:  # unequal splits: by dtype and device alone (a rank's input may be empty while others' are not)
+            comm = self._eligible(input if equal else input.new_empty(1), "sum", "all_to_all", None if equal else 0)
         if comm is None:
             return self._delegate(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                        *_given(opts))
         stream = comm.current_stream()
-        call = self._gather_issue(comm, "all_to_all", output, input, "sum", stream)
+        if equal:
+            call = self._gather_issue(comm, "all_to_all", output, input, "sum", stream)
+        else:
+            flat_out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+            _, call = comm._split_all_to_all(input.contiguous(), flat_out, list(input_split_sizes) or None,
+                                              list(output_split_sizes) or None, stream)
+            if flat_out is not output:
+                _copy_back(output, flat_out)
         return _Work([output], comm, stream, call) if output.is_cuda else _Work([output])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):

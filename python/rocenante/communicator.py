@@ -4,6 +4,7 @@ checks on torch tensors (and CUDA arrays such as CuPy's), then one call into the
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import sys
 import time
@@ -340,12 +341,22 @@ class Communicator:
         self._launch(x, out, op, self.current_stream(), "reduce_scatter")
         return out
 
-    def all_to_all(self, x, out=None):
+    def all_to_all(self, x, out=None, input_split_sizes=None, output_split_sizes=None):
         """Sends block ``p`` of ``x`` to rank ``p`` and returns what every rank sent this one: ``x`` is
         ``world_size`` equal blocks along dim 0 (``x.shape[0]`` must be a multiple of ``world_size``), and block
         ``s`` of ``out`` (a new tensor shaped as ``x`` if None; may be ``x`` itself, in place) is block ``rank`` of
         rank ``s``'s ``x``. Every bit is returned as given (-0.0 and NaN payloads included). Dtypes, devices, pieces
-        and faults as :meth:`all_reduce`."""
+        and faults as :meth:`all_reduce`.
+
+        With split lists, as ``torch.distributed.all_to_all_single``: rows ``input_split_sizes[p]`` of ``x``
+        (packed in rank order along dim 0) go to rank ``p``, and ``out`` (a new tensor of
+        ``sum(output_split_sizes)`` rows if None; never ``x``) holds ``output_split_sizes[s]`` rows from each rank
+        ``s`` in rank order. A list left None means equal blocks. Rank ``s``'s ``input_split_sizes[r]`` and rank
+        ``r``'s ``output_split_sizes[s]`` must agree: the receiver checks every block's size and a disagreement is
+        a :class:`CallMismatchError` naming both ranks. One call of one piece: a block holds at most
+        :meth:`largest_block` elements (larger: refused, and the communicator faults)."""
+        if input_split_sizes is not None or output_split_sizes is not None:
+            return self._split_all_to_all(x, out, input_split_sizes, output_split_sizes, self.current_stream())[0]
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             raise TypeError(f"all_to_all takes a torch.Tensor of at least one dimension, got {_describe(x)}")
         if x.shape[0] % self.world_size != 0:
@@ -354,6 +365,64 @@ class Communicator:
         out = self._check(x, out, tuple(x.shape), "all_to_all")
         self._launch(x, out, "sum", self.current_stream(), "all_to_all")
         return out
+
+    def _split_all_to_all(self, x, out, input_split_sizes, output_split_sizes, stream: int):
+        """all_to_all() with split lists, on `stream`: returns (out, the call's number)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError(f"all_to_all takes a torch.Tensor of at least one dimension, got {_describe(x)}")
+        world, rows = self.world_size, x.shape[0]
+        sizes = []
+        for name, given, total in (("input_split_sizes", input_split_sizes, rows),
+                                   ("output_split_sizes", output_split_sizes, None)):
+            if given is None:
+                total = rows if total is None else total
+                if total % world != 0:
+                    raise ValueError(f"all_to_all of {_describe(x)}: {name} not given, and dim 0 is not a multiple "
+                                     f"of the world size {world}")
+                given = [total // world] * world
+            given = [int(n) for n in given]
+            if len(given) != world or min(given) < 0:
+                self.refuse(f"all_to_all: {name} {given} must hold {world} non-negative sizes")
+            sizes.append(given)
+        if sum(sizes[0]) != rows:
+            self.refuse(f"all_to_all: input_split_sizes {sizes[0]} add up to {sum(sizes[0])}, the input "
+                        f"{_describe(x)} has {rows} rows")
+        out = self._check(x, out, (sum(sizes[1]), *x.shape[1:]), "all_to_all")
+        if out is x:
+            self.refuse("all_to_all with split sizes: out must not be the input")
+        row = math.prod(x.shape[1:])
+        return out, self._launch(x, out, "sum", stream, "all_to_all", [[n * row for n in split] for split in sizes])
+
+    def all_to_all_v(self, x, input_splits, out, out_counts=None):
+        """All-to-all with the splits on the device, for mixture-of-experts routing: no host sync, and a CUDA
+        graph may capture it (each replay reads the splits as they are then). ``input_splits`` (int64,
+        ``world_size`` elements, on ``x``'s device) holds the rows of ``x`` (packed in rank order along dim 0) that
+        go to each rank. ``out`` has ``world_size * capacity`` rows: rank ``s``'s block lands at rows
+        ``[s * capacity, s * capacity + out_counts[s])``, the rest of its rows left as they were; ``capacity`` is
+        every rank's alike. Returns ``out_counts`` (int64, allocated on ``x``'s device if None): the rows received
+        from each rank, -1 each if the call faults. A count that is negative, above ``capacity`` or past ``x``
+        faults the call on every rank (nothing is sent; an InvalidArgument error here); a block of another size than
+        its sender's count never lands."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise TypeError(f"all_to_all_v takes a torch.Tensor of at least one dimension, got {_describe(x)}")
+        world = self.world_size
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] % world != 0 or out.shape[0] == 0:
+            raise ValueError(f"all_to_all_v: out must be a tensor of world_size * capacity rows, got {_describe(out)}")
+        self._check(x, out, (out.shape[0], *x.shape[1:]), "all_to_all_v")
+        if out_counts is None:
+            out_counts = torch.empty(world, dtype=torch.int64, device=x.device)
+        for name, t in (("input_splits", input_splits), ("out_counts", out_counts)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != (world,) \
+                    or t.device != x.device or not t.is_contiguous():
+                self.refuse(f"all_to_all_v: {name} must be a contiguous int64 tensor of {world} elements on "
+                            f"{x.device}, got {_describe(t)}")
+        self._launch(x, out, "sum", self.current_stream(), "all_to_all_v", (input_splits, out_counts))
+        return out_counts
+
+    def largest_block(self, dtype) -> int:
+        """The most elements a block of a split all-to-all holds (of ``dtype``): the largest slot of a power of two
+        16-byte chunks that ``world_size`` slots of ``capacity_bytes`` hold in lines, less its header."""
+        return self._c.largest_block(_DTYPES[dtype])
 
     @property
     def two_shot_from_bytes(self) -> Optional[int]:
@@ -369,7 +438,7 @@ class Communicator:
     @property
     def collectives(self) -> tuple:
         """The collectives this communicator serves."""
-        return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+        return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v")
 
     def issue(self, x: torch.Tensor, op="sum", stream: Optional[int] = None, out: Optional[torch.Tensor] = None,
               collective: str = "all_reduce") -> int:
@@ -390,14 +459,23 @@ class Communicator:
         """The raw handle of the stream calls are enqueued on: the current CUDA stream (0 on the CPU)."""
         return 0 if self._cuda_index is None else _current_raw_stream(self._cuda_index)
 
-    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str = "all_reduce") -> int:
-        """The call into the core, for checked arguments. Returns the call's number."""
+    def _launch(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str = "all_reduce",
+                splits=None) -> int:
+        """The call into the core, for checked arguments. Returns the call's number. `splits`: a split
+        all-to-all's, its element lists (all_to_all) or its counts and received counts (all_to_all_v)."""
         if torch.autograd._profiler_enabled():  # a C call: nothing else is paid without a profiler
             with _profiled(collective, x):
-                return self._call_core(x, out, op, stream, collective)
-        return self._call_core(x, out, op, stream, collective)
+                return self._call_core(x, out, op, stream, collective, splits)
+        return self._call_core(x, out, op, stream, collective, splits)
 
-    def _call_core(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str) -> int:
+    def _call_core(self, x: torch.Tensor, out: torch.Tensor, op, stream: int, collective: str, splits=None) -> int:
+        if collective == "all_to_all_v":
+            counts, out_counts = splits
+            return self._c.all_to_all_v_counts(x.data_ptr(), out.data_ptr(), _DTYPES[x.dtype], counts.data_ptr(),
+                                               out_counts.data_ptr(), math.prod(x.shape[1:]), x.shape[0],
+                                               out.shape[0] // self.world_size, stream)
+        if splits is not None:
+            return self._c.all_to_all_v(x.data_ptr(), out.data_ptr(), _DTYPES[x.dtype], *splits, stream)
         if collective == "all_gather":
             return self._c.all_gather(x.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], stream)
         if collective == "reduce_scatter":

@@ -29,7 +29,7 @@ def _init(store, rank, world, env=None):
 
 
 def _spy(pg):
-    """Counts the all-reduces that the rocenante communicator serves."""
+    """Counts the calls that the rocenante communicator serves."""
     comm = pg._comms["cpu"]
     calls = []
     original = comm._launch
@@ -116,7 +116,7 @@ def _every_collective(store, rank, world):
     assert torch.equal(big, torch.arange(world).float().repeat_interleave(threshold // 4 + 1))
     assert len(calls) == before + 5, "a collective past the threshold must go to gloo"
 
-    # all_to_all_single: equal splits (none given, or given equal) on rocenante; unequal ones to gloo.
+    # all_to_all_single: equal splits (none given, or given equal) and unequal ones on rocenante.
     before = len(calls)
     a2a_out = torch.empty(world)
     dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
@@ -132,11 +132,17 @@ def _every_collective(store, rank, world):
     dist.all_to_all_single(a2a_out, torch.cat([torch.full((n,), float(10 * rank + p)) for p, n in enumerate(sizes)]),
                            sizes, sizes)
     assert torch.equal(a2a_out, torch.cat([torch.full((n,), float(10 * s + rank)) for s, n in enumerate(sizes)]))
-    assert len(calls) == before + 2, "all_to_all_single of unequal splits must go to gloo"
+    sizes = [rank + 2 * p for p in range(world)]  # rank r sends r + 2p rows to p (rank 0 none to itself)
+    got = [s + 2 * rank for s in range(world)]
+    a2a_out = torch.empty(sum(got), 2)[:, :1]  # a strided output
+    dist.all_to_all_single(a2a_out, torch.cat([torch.full((n, 1), float(10 * rank + p)) for p, n in enumerate(sizes)]),
+                           got, sizes)
+    assert torch.equal(a2a_out, torch.cat([torch.full((n, 1), float(10 * s + rank)) for s, n in enumerate(got)]))
+    assert len(calls) == before + 4, "all_to_all_single of unequal splits must reach the communicator"
     lists_out = [torch.empty(2, dtype=torch.int32) for _ in range(world)]
     dist.all_to_all(lists_out, [torch.tensor([rank * 10 + p, -1], dtype=torch.int32) for p in range(world)])
     assert [v.tolist() for v in lists_out] == [[s * 10 + rank, -1] for s in range(world)]
-    assert len(calls) == before + 3, "all_to_all of equal-size lists must reach the communicator"
+    assert len(calls) == before + 5, "all_to_all of equal-size lists must reach the communicator"
 
     # Every other collective, delegated.
     t = torch.full((4,), float(rank))

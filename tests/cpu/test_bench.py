@@ -191,6 +191,30 @@ def test_cpu_run_end_to_end(tmp_path):
     assert [r["net"] for r in result["provenance"]["ranks"]] == ["shm", "shm"]
 
 
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_unequal_blocks_send_and_receive_one_size_on_every_rank(world):
+    from rocenante.bench.runner import block_sizes
+
+    sizes = block_sizes("all_to_all_unequal", world, 1000 * world)
+    assert all(sum(row) == 1000 * world for row in sizes)  # sent
+    assert all(sum(sizes[s][t] for s in range(world)) == 1000 * world for t in range(world))  # received
+    assert all(len(set(row)) == world for row in sizes)  # every size once
+
+
+def test_cpu_unequal_all_to_all_end_to_end(tmp_path):
+    # Unequal blocks, checked bit for bit against every rank's input before timing, on every arm that moves them.
+    out = tmp_path / "a2a.json"
+    cmd = [sys.executable, "-m", "rocenante.bench", "--device", "cpu", "-n", "3", "--collective", "all_to_all_unequal",
+           "--min-bytes", "1K", "--max-bytes", "64K", "--size-factor", "64", "--rounds", "7",
+           "--arms", "rocenante,rocenante_backend,gloo", "--out", str(out), "--no-png"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["arm"], r["bytes"]) for r in rows) == sorted(
+        (arm, n) for arm in ("gloo", "rocenante", "rocenante_backend") for n in (1020, 65532)), rows
+    assert "# all_to_all_unequal float32, eager mode, 3 ranks" in proc.stdout, proc.stdout
+
+
 def test_under_torchrun_one_rank_per_process_and_several_per_node_across_hosts_refused(tmp_path):
     out = tmp_path / "torchrun.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "rocenante.bench",

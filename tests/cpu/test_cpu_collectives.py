@@ -14,7 +14,8 @@ import torch
 import rocenante
 from multiproc import expect_ok, run_ranks
 from nets import cases, on_path
-from reference import DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits, reduced
+from reference import (DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits, reduced,
+                       split_block, split_rows)
 
 CAPACITY = 64 << 10  # small, so that sizes often go as several pieces
 
@@ -113,6 +114,96 @@ def test_all_to_all_returns_every_peers_block_bit_for_bit(net, world):
                           for s in range(world)]
                 want.append(digest(torch.cat(blocks).reshape(world * numel, 1)))
         assert got == want, f"rank {rank} received other blocks than its peers sent it"
+
+
+ROW = 3  # elements per row of a split all-to-all's blocks
+
+
+def _split_all_to_all(store, rank, world, seed, net):
+    """Split all-to-alls in both forms: split lists (all_to_all_single's) and counts in a tensor with a fixed
+    capacity per block, blocks of any bits, zeros and the largest block included."""
+    digests = []
+    with on_path(rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=60), net) as comm:
+        for case, dtype in enumerate(DTYPES * 2):
+            most = comm.largest_block(dtype) // ROW
+            rows = split_rows(seed, case, world, most)
+            sent = [split_block(seed, case, rank, t, world, rows[rank][t], ROW, dtype) for t in range(world)]
+            want = [split_block(seed, case, s, rank, world, rows[s][rank], ROW, dtype) for s in range(world)]
+            out = poison(torch.empty(sum(rows[s][rank] for s in range(world)), ROW, dtype=dtype))
+            got = comm.all_to_all(torch.cat(sent), out=out, input_split_sizes=rows[rank],
+                                  output_split_sizes=[rows[s][rank] for s in range(world)])
+            assert got is out and torch.equal(bits(got), bits(torch.cat(want))), f"lists {dtype} {rows}"
+            digests.append(digest(got))
+            # The counts form: at most `capacity` rows a block, the counts in a tensor.
+            capacity = max(max(r) for r in rows) or 1
+            out = poison(torch.empty(world * capacity, ROW, dtype=dtype))
+            counts = torch.full((world,), 99, dtype=torch.int64)
+            comm.all_to_all_v(torch.cat(sent), torch.tensor(rows[rank]), out, counts)
+            assert counts.tolist() == [rows[s][rank] for s in range(world)]
+            for s in range(world):
+                block = out[s * capacity:(s + 1) * capacity]
+                assert torch.equal(bits(block[:rows[s][rank]]), bits(want[s])), f"counts {dtype} from {s}"
+                assert bits(poison(block[rows[s][rank]:].clone())).equal(bits(block[rows[s][rank]:])), \
+                    "rows past a block were written"
+            digests.append(digest(out[:0]))
+    return digests
+
+
+@cases("net, world", ("", 2), ("", 3), ("", 4), ("tcp", 2), ("tcp", 3))
+def test_split_all_to_all_returns_every_block_bit_for_bit(net, world):
+    expect_ok(run_ranks(world, _split_all_to_all, 4200 + world, net, timeout=240))
+
+
+def _split_faults(store, rank, world, fault):
+    """A split all-to-all whose blocks rank 1 gets wrong: `fault` says how."""
+    with rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=30) as comm:
+        rows = [[2 + s + t for t in range(world)] for s in range(world)]
+        x = torch.arange(sum(rows[rank]) * ROW, dtype=torch.float32).reshape(-1, ROW)
+        recv = [rows[s][rank] for s in range(world)]
+        if fault == "mismatch" and rank == 1:
+            recv[0] += 1  # expects one row more from rank 0 than rank 0 sends
+        out = poison(torch.zeros(sum(recv), ROW))
+        counts = None
+        try:
+            if fault == "too large":
+                big = comm.largest_block(torch.float32) // ROW + (1 if rank == 1 else 0)
+                comm.all_to_all(torch.zeros(world * big, ROW), input_split_sizes=[big] * world,
+                                output_split_sizes=[big] * world)
+            elif fault == "bad count":
+                send = torch.tensor(rows[rank])
+                if rank == 1:
+                    send[0] = 1000  # above the capacity
+                out = poison(torch.zeros(world * 10, ROW))
+                counts = comm.all_to_all_v(x, send, out)
+            else:
+                comm.all_to_all(x, out=out, input_split_sizes=rows[rank], output_split_sizes=recv)
+                # The ranks whose blocks all arrived as expected complete the call; the next one fails.
+                out = poison(torch.zeros(4))
+                comm.all_reduce(torch.ones(4), out=out)
+        except (rocenante.RocenanteError, ValueError) as err:  # a refusal is a ValueError
+            poisoned = bool(torch.isnan(out).all()) and (counts is None or counts.tolist() == [-1] * world)
+            return type(err).__name__, str(err), poisoned
+        return "no error", "", False
+
+
+@pytest.mark.parametrize("fault", ["mismatch", "too large", "bad count"])
+def test_split_all_to_all_faults_name_the_rank_and_cause(fault):
+    world = 3
+    results = expect_ok(run_ranks(world, _split_faults, fault, timeout=120))
+    for rank, (kind, message, poisoned) in enumerate(results):
+        if fault == "mismatch":  # a disagreement on a block's size names both ranks, on every rank
+            assert kind == "CallMismatchError", (rank, message)
+            assert ("rank 0 sent this rank a block of 36 bytes" in message if rank == 1
+                    else "rank 1 received from rank 0 a block of a size it did not expect" in message), (rank, message)
+            assert poisoned, f"rank {rank}: the outputs are not all poison"
+        elif rank == 1:  # the rank with the bad block says why
+            assert kind == "InvalidArgument", (kind, message)
+            assert ("larger than a block can be" if fault == "too large" else "the split counts say 1000 rows for rank 0") \
+                in message, message
+        else:
+            assert ("rank 1 refused a call" if fault == "too large" else "rank 1's split counts for rank 0 could not "
+                    "be sent") in message, (rank, message)
+            assert poisoned or fault == "too large", f"rank {rank}: the outputs are not all poison"
 
 
 def _two_shot(store, rank, world, seed, net):

@@ -96,6 +96,12 @@ def _one_call(comm, collective, rank, world, i):
         out = torch.empty(world * n)
         return out, torch.cat([torch.full((n,), value(s) + 100 * rank) for s in range(world)]), \
             lambda: comm.all_to_all(torch.cat([torch.full((n,), value(rank) + 100 * p) for p in range(world)]), out=out)
+    if collective == "all_to_all_v":  # rank r sends n / 4 + r + p elements of value(r) + 100 p to rank p
+        send, recv = [n // 4 + rank + p for p in range(world)], [n // 4 + s + rank for s in range(world)]
+        out = torch.empty(sum(recv))
+        return out, torch.cat([torch.full((m,), value(s) + 100 * rank) for s, m in enumerate(recv)]), \
+            lambda: comm.all_to_all(torch.cat([torch.full((m,), value(rank) + 100 * p) for p, m in enumerate(send)]),
+                                    out=out, input_split_sizes=send, output_split_sizes=recv)
     total = torch.full((n,), sum(value(r) for r in range(world)))
     if collective == "reduce_scatter":
         out = torch.empty(n)
@@ -136,7 +142,7 @@ def _victim_loop(store, rank, world, net, how, timeout_s, collective):
 
 # One-shot all-reduces at worlds 2 and 3; the sharded collectives at world 3.
 VICTIM_CASES = [(2, "all_reduce"), (3, "all_reduce"), (3, "two_shot"), (3, "reduce_scatter"), (3, "all_gather"),
-                (3, "all_to_all")]
+                (3, "all_to_all"), (3, "all_to_all_v")]
 
 
 def _victim_case(collective):

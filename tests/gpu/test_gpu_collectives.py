@@ -14,7 +14,7 @@ import torch
 import gpus
 from multiproc import expect_ok, run_ranks
 from nets import on_path
-from reference import DTYPES, bits, make_input, ops_for, poison, random_bits, reduced
+from reference import DTYPES, bits, make_input, ops_for, poison, random_bits, reduced, split_block, split_rows
 
 WORLDS = [2, 3, 4, 8]
 CAPACITY = 64 << 10  # small, so that calls go as pieces
@@ -205,3 +205,115 @@ def test_a_different_collective_is_named_and_poisons(net, world, first):
         assert "made a different call" in message or f"called {first} with" in message \
             or "called all_reduce with" in message, f"rank {rank}: {message}"
         assert poisoned, f"rank {rank}: the output of the mismatched call is not all poison"
+
+
+ROW = 5  # elements per row of a split all-to-all's blocks
+
+
+def _split_all_to_all(store, rank, world, net, replays):
+    """Split all-to-alls (blocks_kernel): the lists form and the counts form of every dtype, blocks of any bits from
+    none to the largest, then the counts form captured in a CUDA graph and replayed with new splits and data."""
+    comm = _comm(store, rank, world, net)
+    dev = gpus.device_of(rank)
+    checked = 0
+    for case, dtype in enumerate(DTYPES):
+        rows = split_rows(17, case, world, comm.largest_block(dtype) // ROW)
+        sent = torch.cat([split_block(17, case, rank, t, world, rows[rank][t], ROW, dtype) for t in range(world)])
+        want = [split_block(17, case, s, rank, world, rows[s][rank], ROW, dtype) for s in range(world)]
+        out = poison(torch.empty(sum(rows[s][rank] for s in range(world)), ROW, dtype=dtype, device=dev))
+        comm.all_to_all(sent.to(dev), out=out, input_split_sizes=rows[rank],
+                        output_split_sizes=[rows[s][rank] for s in range(world)])
+        if not torch.equal(bits(out.cpu()), bits(torch.cat(want))):
+            raise AssertionError(f"split lists {dtype} {rows}")
+        capacity = max(max(r) for r in rows) or 1
+        out = poison(torch.empty(world * capacity, ROW, dtype=dtype, device=dev))
+        counts = comm.all_to_all_v(sent.to(dev), torch.tensor(rows[rank], device=dev), out)
+        got = out.cpu()
+        if counts.tolist() != [rows[s][rank] for s in range(world)] or not all(
+                torch.equal(bits(got[s * capacity:s * capacity + rows[s][rank]]), bits(want[s])) for s in range(world)):
+            raise AssertionError(f"split counts {dtype} {rows}")
+        checked += 2
+    # The counts form in a graph: each replay reads the splits the routing wrote into the captured tensors.
+    capacity = 40
+    x = torch.empty(world * capacity, ROW, dtype=torch.bfloat16, device=dev)
+    splits = torch.zeros(world, dtype=torch.int64, device=dev)
+    out = torch.empty(world * capacity, ROW, dtype=torch.bfloat16, device=dev)
+    counts = torch.empty(world, dtype=torch.int64, device=dev)
+    stream = torch.cuda.Stream(dev)
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):  # warm up off the capture
+        comm.all_to_all_v(x, splits, out, counts)
+    torch.cuda.current_stream(dev).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_to_all_v(x, splits, out, counts)
+    for i in range(replays):
+        rows = split_rows(i, 99, world, capacity)
+        blocks = [split_block(i, 99, rank, t, world, rows[rank][t], ROW, torch.bfloat16) for t in range(world)]
+        x.zero_()[:sum(rows[rank])] = torch.cat(blocks).to(dev)
+        splits.copy_(torch.tensor(rows[rank]))
+        poison(out)
+        counts.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.cpu()
+        for s in range(world):
+            block = split_block(i, 99, s, rank, world, rows[s][rank], ROW, torch.bfloat16)
+            if counts[s].item() != rows[s][rank] or not torch.equal(bits(got[s * capacity:s * capacity + len(block)]),
+                                                                    bits(block)):
+                raise AssertionError(f"replay {i}: the block from rank {s} is wrong")
+        checked += 1
+    comm.synchronize()
+    comm.close()
+    return checked
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_split_all_to_all_every_dtype_and_graph_replays(net, world):
+    replays = gpus.calls(50, world, on_shared=8, least=3)
+    assert expect_ok(run_ranks(world, _split_all_to_all, net, replays, timeout=300)) == [2 * len(DTYPES) + replays] * world
+
+
+def _split_fault(store, rank, world, net, fault):
+    """Rank 1 expects one row more from rank 0 than rank 0 sends (lists form), or gives a count above the capacity
+    (counts form, found by the kernel)."""
+    comm = _comm(store, rank, world, net)
+    dev = gpus.device_of(rank)
+    rows = [[2 + s + t for t in range(world)] for s in range(world)]
+    x = torch.arange(sum(rows[rank]) * ROW, dtype=torch.float32, device=dev).reshape(-1, ROW)
+    counts = None
+    try:
+        if fault == "mismatch":
+            recv = [rows[s][rank] + (1 if (rank, s) == (1, 0) else 0) for s in range(world)]
+            out = poison(torch.zeros(sum(recv), ROW, device=dev))
+            comm.all_to_all(x, out=out, input_split_sizes=rows[rank], output_split_sizes=recv)
+        else:
+            send = torch.tensor(rows[rank], device=dev)
+            if rank == 1:
+                send[0] = 1000
+            out = poison(torch.zeros(world * 10, ROW, device=dev))
+            counts = comm.all_to_all_v(x, send, out)
+        comm.synchronize()
+        comm.all_reduce(torch.ones(4, device=dev))  # ranks that met no fault in the call meet the abort here
+        comm.synchronize()
+    except Exception as err:  # noqa: BLE001 - the class is checked by the test
+        poisoned = bool(torch.isnan(out).all()) and (counts is None or counts.tolist() == [-1] * world)
+        return type(err).__name__, str(err), poisoned
+    return "no error", "", False
+
+
+@pytest.mark.parametrize("fault", ["mismatch", "bad count"])
+def test_split_all_to_all_faults_name_both_ranks(net, fault):
+    world = 3
+    results = expect_ok(run_ranks(world, _split_fault, net, fault, timeout=300))
+    for rank, (kind, message, poisoned) in enumerate(results):
+        if fault == "mismatch":
+            assert kind == "CallMismatchError", (rank, kind, message)
+            assert ("rank 0 sent this rank a block of 60 bytes" if rank == 1
+                    else "rank 1 received from rank 0 a block of a size it did not expect") in message, (rank, message)
+            if rank == 1:
+                assert poisoned, "the output of the mismatched call is not all poison"
+        else:
+            assert ("the split counts say 1000 rows for rank 0" if rank == 1
+                    else "rank 1's split counts for rank 0 could not be sent") in message, (rank, message)
+            assert poisoned, f"rank {rank}: the outputs and counts of the faulted call are not all poison"

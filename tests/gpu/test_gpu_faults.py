@@ -205,15 +205,20 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
     on_path(comm, net)
     dev = gpus.device_of(rank)
     n, calls = 4099, 10
-    blocks = collective == "all_to_all"  # every block of a rank's input holds its value: block s of out, rank s's
+    # Every block of a rank's input holds its value: block s of out, rank s's (all_to_all_v: the counts form, every
+    # block whole, its splits on the device).
+    blocks = collective in ("all_to_all", "all_to_all_v")
     ins = [torch.empty(world * n if collective == "reduce_scatter" or blocks else n, device=dev) for _ in range(calls)]
     outs = [torch.empty(world * n if collective == "all_gather" or blocks else n, device=dev) for _ in range(calls)] \
-        if collective in ("all_gather", "reduce_scatter", "all_to_all") else ins  # all-reduces in place
+        if collective != "all_reduce" and collective != "two_shot" else ins  # all-reduces in place
+    splits = torch.full((world,), n, dtype=torch.int64, device=dev)
 
     def issue():
         for x, y in zip(ins, outs):
             if collective == "all_gather":
                 comm.all_gather(x, out=y)
+            elif collective == "all_to_all_v":
+                comm.all_to_all_v(x.view(-1, 1), splits, y.view(-1, 1))
             elif blocks:
                 comm.all_to_all(x, out=y)
             elif collective == "reduce_scatter":
@@ -273,7 +278,7 @@ def _graph_victim(store, rank, world, net, how, timeout_s, collective):
 
 
 # The one-shot all-reduce, and the collectives that cut the tensor into shards.
-GRAPH_COLLECTIVES = ["all_reduce", "two_shot", "reduce_scatter", "all_gather", "all_to_all"]
+GRAPH_COLLECTIVES = ["all_reduce", "two_shot", "reduce_scatter", "all_gather", "all_to_all", "all_to_all_v"]
 
 
 def _graph_case(net, collective, monkeypatch) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 import rocenante  # noqa: E402
 from reference import (DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits,  # noqa: E402
-                       reduced, sequential_fp32)
+                       reduced, sequential_fp32, split_block, split_rows)
 
 
 def linked_devices(peer: int) -> set:
@@ -88,6 +88,14 @@ def main() -> int:
             if not torch.equal(bits(out), bits(torch.cat([b[rank * numel:(rank + 1) * numel] for b in blocks]))):
                 wrong.append(f"case {case}: all_to_all {dtype} {numel}: not every peer's block, bit for bit")
             case += 1
+        rows = split_rows(seed, case, world, comm.largest_block(dtype) // 3)  # each pair's block its own size
+        sent = torch.cat([split_block(seed, case, rank, t, world, rows[rank][t], 3, dtype) for t in range(world)])
+        want = torch.cat([split_block(seed, case, s, rank, world, rows[s][rank], 3, dtype) for s in range(world)])
+        out = comm.all_to_all(sent, out=poison(torch.empty_like(want)), input_split_sizes=rows[rank],
+                              output_split_sizes=[rows[s][rank] for s in range(world)])
+        if not torch.equal(bits(out), bits(want)):
+            wrong.append(f"case {case}: split all_to_all {dtype} {rows}: not every peer's block, bit for bit")
+        case += 1
     everyone = [None] * world
     dist.all_gather_object(everyone, digests)
     if any(d != everyone[0] for d in everyone):

@@ -20,7 +20,7 @@ import rocenante
 from multiproc import all_arrived, end_this_process_later, expect_ok, run_ranks
 from probes import MAPS_TOLERANCE, host_probe
 from reference import (DTYPES, bits, check_against_float64, digest, make_input, ops_for, poison, random_bits,
-                       reduced, sequential_fp32)
+                       reduced, sequential_fp32, split_block, split_rows)
 from rocenante import _env, _ib
 
 # Emulated CPU in the VM: bounds are loose, and every wait has its own timeout.
@@ -100,6 +100,14 @@ def _gathers_and_scatters(store, rank, world, seed):
             out = comm.all_to_all(blocks[rank], out=poison(torch.empty(world * numel, dtype=dtype)))
             assert torch.equal(bits(out), bits(torch.cat([b[rank * numel:(rank + 1) * numel] for b in blocks]))), \
                 f"all_to_all {dtype} {numel}"
+            # A split all-to-all: each pair's block its own size, zeros and the largest included.
+            case += 1
+            rows = split_rows(seed, case, world, comm.largest_block(dtype) // 3)
+            sent = torch.cat([split_block(seed, case, rank, t, world, rows[rank][t], 3, dtype) for t in range(world)])
+            want = torch.cat([split_block(seed, case, s, rank, world, rows[s][rank], 3, dtype) for s in range(world)])
+            out = comm.all_to_all(sent, out=poison(torch.empty_like(want)), input_split_sizes=rows[rank],
+                                  output_split_sizes=[rows[s][rank] for s in range(world)])
+            assert torch.equal(bits(out), bits(want)), f"split all_to_all {dtype} {rows}"
     comm.close()
     return case
 
@@ -107,8 +115,9 @@ def _gathers_and_scatters(store, rank, world, seed):
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_reduce_scatter_and_all_to_all_match_references_bit_for_bit(world):
     cases = expect_ok(run(world, _gathers_and_scatters, 2000 + world))  # each rank checked its results
-    # Per dtype and size one all-gather and one all-to-all, and a reduce-scatter per op (15 dtype-op pairs).
-    assert cases == [cases[0]] * world and cases[0] == 2 * 4 * 2 + 2 * 15, cases
+    # Per dtype and size one all-gather, one all-to-all and one split all-to-all, and a reduce-scatter per op (15
+    # dtype-op pairs).
+    assert cases == [cases[0]] * world and cases[0] == 3 * 4 * 2 + 2 * 15, cases
 
 
 def _two_shot(store, rank, world, seed):

@@ -113,6 +113,17 @@ def funcol_all_to_all_single(ctx):
     return {"blocks": (out, want, True, False)}
 
 
+def funcol_all_to_all_single_unequal(ctx):
+    """Unequal splits (as MoE routing makes them): rank r sends base[(p + r) % world] rows to rank p."""
+    xs, world = ctx.inputs(26), ctx.world
+    base = [ROWS - (world - 1)] + [1] * (world - 1)
+    send = [[base[(p + r) % world] for p in range(world)] for r in range(world)]
+    recv = [send[s][ctx.rank] for s in range(world)]
+    out = ctx.call(lambda x: _wait(_funcol().all_to_all_single(x, recv, send[ctx.rank], ctx.group)), xs[ctx.rank])
+    want = torch.cat([xs[s][sum(send[s][:ctx.rank]):sum(send[s][:ctx.rank + 1])] for s in range(world)])
+    return {"blocks": (out, want, True, False)}
+
+
 def funcol_broadcast(ctx):
     xs = ctx.inputs(7)
     out = ctx.call(lambda x: _wait(_funcol().broadcast(x, 1, ctx.group)), xs[ctx.rank])
@@ -297,6 +308,7 @@ CELLS = [
     Cell("funcol_all_gather_coalesced", funcol_all_gather_coalesced, SERVED),
     Cell("funcol_reduce_scatter_coalesced", funcol_reduce_scatter_coalesced, SERVED),
     Cell("funcol_all_to_all_single", funcol_all_to_all_single, SERVED),
+    Cell("funcol_all_to_all_single_unequal", funcol_all_to_all_single_unequal, SERVED),
     Cell("funcol_broadcast", funcol_broadcast, DELEGATED, graph_ok=False),
     Cell("funcol_all_reduce_coalesced", funcol_all_reduce_coalesced, DELEGATED, graph_ok=False),
     Cell("funcol_coalesced_delegated", funcol_coalesced_delegated, DELEGATED, graph_ok=False),

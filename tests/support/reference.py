@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 import torch
 
@@ -117,3 +118,19 @@ def reduced(inputs, op) -> torch.Tensor:
     if out.dtype != torch.int32:
         out[out == 0] = 0
     return out
+
+
+def split_rows(seed: int, case: int, world: int, most: int) -> list[list[int]]:
+    """A split all-to-all's rows, rows[s][t] from rank s to rank t, every rank alike: zeros, `most` and `most - 1`
+    (a block at its largest and just below), 1, and random sizes."""
+    rng = random.Random(seed * 7919 + case)
+    picks = [0, 1, most, max(most - 1, 0)]
+    return [[rng.choice(picks) if rng.random() < 0.5 else rng.randint(0, most) for _ in range(world)]
+            for _ in range(world)]
+
+
+def split_block(seed: int, case: int, sender: int, receiver: int, world: int, rows: int, row: int, dtype):
+    """The block `sender` sends `receiver`: rows x row elements of any bits (-0.0 and NaN payloads included)."""
+    if rows == 0:
+        return torch.empty(0, row, dtype=dtype)
+    return random_bits(seed, case, sender * world + receiver, rows * row, dtype).reshape(rows, row)

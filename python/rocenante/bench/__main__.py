@@ -26,12 +26,27 @@ def _size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
 
 
+def _capacity_bytes(a) -> int:
+    """The communicators' capacity: the largest size (an all-reduce's piece), or for unequal blocks what holds the
+    largest block of the largest size in one slot of a power of two chunks (csrc/layout.h, largest_block())."""
+    from rocenante import _C
+
+    if a.collective != "all_to_all_unequal":
+        return a.max_bytes
+    most = max(max(runner.block_sizes(a.collective, a.ranks, a.max_bytes // esize)[0]) * esize for esize in (2, 4))
+    chunks = 1 + (most + 15) // 16  # the header, then the block
+    slot = 1 << (chunks - 1).bit_length()  # the power of two at or above
+    granule = _C.capacity_granule_bytes
+    return max(a.max_bytes, -(-2 * 16 * a.ranks * slot // granule) * granule)  # world slots of lines
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m rocenante.bench", description=__doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--collective", choices=["all_reduce", "all_to_all"], default="all_reduce",
-                   help="all_reduce (sum), or all_to_all of world_size equal blocks (all_to_all_single for the "
-                        "torch.distributed arms)")
+    p.add_argument("--collective", choices=["all_reduce", "all_to_all", "all_to_all_unequal"], default="all_reduce",
+                   help="all_reduce (sum), all_to_all of world_size equal blocks, or all_to_all_unequal: blocks of "
+                        "1 to world_size parts, every rank sending and receiving one size (all_to_all_single for "
+                        "the torch.distributed arms)")
     p.add_argument("-n", "--ranks", type=int, default=None, help="processes (default: every GPU, or 2 on CPU)")
     p.add_argument("--min-bytes", type=_size, default=None, help="default 256 on GPU, 1K on CPU")
     p.add_argument("--max-bytes", type=_size, default=None, help="default 64M on GPU, 1M on CPU")
@@ -45,7 +60,7 @@ def parse_args(argv=None):
                    help=f"measurements (graph replays or eager loops) per arm, size and mode, at least "
                         f"{runner.MIN_ROUNDS} (default 25)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<ranks>r.json, "
-                   "all_to_all: <device>-<ranks>r-all-to-all.json)")
+                   "all_to_all: <device>-<ranks>r-all-to-all.json, all_to_all_unequal: ...-all-to-all-unequal.json)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--calibration", default=None,
                    help="also write a scaling-model calibration file (python -m rocenante.model --calibration) "
@@ -112,7 +127,7 @@ def main(argv=None) -> int:
         "device": a.device, "collective": a.collective, "sizes": sizes, "dtypes": a.dtypes, "modes": a.modes,
         "rounds": a.rounds,
         "arms": a.arms, "max_bytes": a.max_bytes,
-        "capacity_bytes": min(a.max_bytes, _C.max_capacity_bytes),
+        "capacity_bytes": min(_capacity_bytes(a), _C.max_capacity_bytes),
     }
     load_before = os.getloadavg()
     if "LOCAL_WORLD_SIZE" in os.environ:
@@ -200,7 +215,7 @@ def _report(a, cfg: dict, out: dict, world: int, load_before: tuple) -> int:
     }
     print()
     print(report.format_tables(result))
-    suffix = "" if a.collective == "all_reduce" else "-all-to-all"
+    suffix = "" if a.collective == "all_reduce" else "-" + a.collective.replace("_", "-")
     path = a.out or os.path.join("benchmarks", "results", f"{a.device}-{world}r{suffix}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     report.write_json(result, path)

@@ -1,4 +1,4 @@
-"""The implementations of a collective (all-reduce, or all-to-all of equal blocks) a benchmark compares. Each arm
+"""The implementations of a collective (all-reduce, or all-to-all of equal or unequal blocks) a benchmark compares. Each arm
 allocates the buffers of one (dtype, size) and runs one call on them; the runner times back-to-back calls,
 captured in a CUDA graph or called eagerly."""
 
@@ -54,12 +54,19 @@ class Rocenante(Arm):
     def call(self, x, y):
         if self.ctx.collective == "all_to_all":
             return self.ctx.comm.all_to_all(x, out=y)
+        if self.ctx.collective == "all_to_all_unequal":
+            send, recv = self.ctx.splits(x.numel())
+            return self.ctx.comm.all_to_all(x, out=y, input_split_sizes=send, output_split_sizes=recv)
         self.ctx.comm.all_reduce(x, out=y)
         return y
 
     def supports(self, nbytes, dtype):
         if nbytes > self.ctx.comm.capacity_bytes:
             return f"over the communicator's capacity ({self.ctx.comm.capacity_bytes} bytes)"
+        esize = torch.empty((), dtype=dtype).element_size()
+        largest = self.ctx.comm.largest_block(dtype)
+        if self.ctx.collective == "all_to_all_unequal" and max(self.ctx.splits(nbytes // esize)[0]) > largest:
+            return f"a block above the largest a split all-to-all holds ({largest} elements)"
         return None
 
 
@@ -73,8 +80,9 @@ class Collective(Arm):
         self.group = group
 
     def call(self, x, y):
-        if self.ctx.collective == "all_to_all":
-            dist.all_to_all_single(y, x, group=self.group)
+        if self.ctx.collective != "all_reduce":
+            send, recv = self.ctx.splits(x.numel())
+            dist.all_to_all_single(y, x, recv, send, group=self.group)
             return y
         dist.all_reduce(x, group=self.group)
         return x

@@ -81,11 +81,24 @@ def check_input(seed: int, rank: int, numel: int, dtype, device) -> torch.Tensor
     return (k.to(torch.float32) / 8).to(dtype)
 
 
-def expected_blocks(seed: int, rank: int, world: int, numel: int, dtype, device) -> torch.Tensor:
-    """What an all-to-all of every rank's check input returns to `rank`: block `rank` of each rank's, in rank
+def block_sizes(collective: str, world: int, numel: int) -> list[list[int]]:
+    """sizes[s][t]: elements rank s sends rank t in an all-to-all of `numel` elements a rank: equal blocks, or
+    ("all_to_all_unequal") a block of (k + 1) parts of world (world + 1) / 2 from s to rank (s + k) % world, so
+    that every rank sends and receives `numel` elements in blocks of every size, as MoE routing makes them."""
+    if collective == "all_to_all":
+        return [[numel // world] * world for _ in range(world)]
+    total = world * (world + 1) // 2
+    by_distance = [numel * (k + 1) // total for k in range(world - 1)]
+    by_distance.append(numel - sum(by_distance))
+    return [[by_distance[(t - s) % world] for t in range(world)] for s in range(world)]
+
+
+def expected_blocks(seed: int, rank: int, world: int, numel: int, dtype, device, collective: str) -> torch.Tensor:
+    """What an all-to-all of every rank's check input returns to `rank`: the block each rank sends it, in rank
     order."""
-    n = numel // world
-    return torch.cat([check_input(seed, s, numel, dtype, device)[rank * n:(rank + 1) * n] for s in range(world)])
+    sizes = block_sizes(collective, world, numel)
+    return torch.cat([check_input(seed, s, numel, dtype, device)[sum(sizes[s][:rank]):sum(sizes[s][:rank + 1])]
+                      for s in range(world)])
 
 
 def expected_sum(seed: int, world: int, numel: int, dtype, device) -> torch.Tensor:
@@ -177,7 +190,12 @@ class Context:
     world: int
     device: torch.device
     comm: object
-    collective: str = "all_reduce"  # or "all_to_all" (of equal blocks)
+    collective: str = "all_reduce"  # or "all_to_all" (of equal blocks), "all_to_all_unequal" (block_sizes())
+
+    def splits(self, numel: int):
+        """An all-to-all's input and output split sizes (all_to_all_single's) at `numel` elements a rank."""
+        sizes = block_sizes(self.collective, self.world, numel)
+        return sizes[self.rank], [sizes[s][self.rank] for s in range(self.world)]
 
 
 class Measurement:
@@ -247,8 +265,8 @@ def _check(ctx, arms, buffers, reference, seed, numel, dtype, control) -> dict:
     (e.g. a dtype they lack)."""
     device, problems, failed = ctx.device, [], {}
     mine = check_input(seed, ctx.rank, numel, dtype, device)
-    want = expected_blocks(seed, ctx.rank, ctx.world, numel, dtype, device) if ctx.collective == "all_to_all" \
-        else expected_sum(seed, ctx.world, numel, dtype, device)
+    want = expected_blocks(seed, ctx.rank, ctx.world, numel, dtype, device, ctx.collective) \
+        if ctx.collective != "all_reduce" else expected_sum(seed, ctx.world, numel, dtype, device)
     if reference is not None:
         x, y = reference.prepare(numel, dtype)
         x.copy_(mine)
@@ -317,7 +335,7 @@ def _measure(ctx, arms, reference, cfg, sleep_cycles, control, skipped) -> list[
         esize = torch.empty((), dtype=dtype).element_size()
         for size in cfg["sizes"]:
             numel = max(1, size // esize)
-            if ctx.collective == "all_to_all":  # world equal blocks
+            if ctx.collective != "all_reduce":  # world blocks (equal: of one size)
                 numel = max(ctx.world, numel - numel % ctx.world)
             nbytes = numel * esize
             supported = []
