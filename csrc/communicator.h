@@ -35,7 +35,7 @@ enum class Net : uint32_t { kShm = 0, kIb = 1, kTcp = 2 };
 // A rank's handle (local_handle()): the configuration every rank must share (Config: magic, world, capacity,
 // CPU or GPU, first call, network signal, two-shot size), the process's identity (pid, start time), then the
 // transport's part (communicator.cc).
-constexpr uint32_t kConfigMagic = 0x524f4341;  // "ROCA": bump when the protocol or the handle changes
+constexpr uint32_t kConfigMagic = 0x524f4342;  // "ROCB": bump when the protocol or the handle changes
 constexpr size_t kConfigBytes = 32;
 constexpr size_t kHandleHeaderBytes = 48;
 

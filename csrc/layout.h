@@ -1,4 +1,4 @@
-// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v5).
+// The receive region every rank exposes to its peers, and the two formats that carry data into it (protocol v6).
 // One protocol for every transport: shared memory (host path), CUDA IPC (the kernel) and RDMA (a NIC writing
 // into the region for the sender). Every byte of payload crosses the wire once.
 //
@@ -240,7 +240,7 @@ constexpr int kMaxRanks = 8;
 // signature.
 constexpr size_t kMaxCapacityBytes = size_t(32) << 20;
 
-// The collectives, and how an all-reduce moves its data (protocol v5):
+// The collectives, and how an all-reduce moves its data (protocol v6):
 //   all-reduce, one-shot: every rank pushes its whole input into its area of every peer's region; each rank
 //     reduces all inputs. The fused variant adds the residual and applies RMSNorm to the sum (CallArgs).
 //   all-reduce, two-shot: the tensor is cut into `world` shards (Shards, below); every rank pushes shard p of its
@@ -296,10 +296,10 @@ enum class Algorithm : uint32_t { kOneShot = 0, kTwoShot = 1 };
 // An all-gather and an all-to-all move bits, not values: their op field is sum, whatever the caller's.
 // The kind takes bits 29..31: the first four collectives with the algorithm (bit 31), all-to-all code 6 (v4 had
 // no all-to-all; its collective field, two bits, was full). Two-shot serves all-reduces only, so the codes of
-// an all-gather or a reduce-scatter with two-shot (6, 7) were never signed, and 6 is all-to-all's: one code per
-// kind, as the signature must be injective. (A two-shot piece's calls over a network wire carry collectives of
-// their own in CallArgs, piece_call(), but the piece's signature.)
-// A split all-to-all (Blocks, below) takes the last code, 7; its count field is the capacity of a block.
+// an all-gather or a reduce-scatter with two-shot (6, 7) were never signed, and 6 is all-to-all's, 7 the split
+// all-to-all's (v6; kAllToAllV, below: its count field is the capacity of a block): one code per kind, as the
+// signature must be injective. (A two-shot piece's calls over a network wire carry collectives of their own in
+// CallArgs, piece_call(), but the piece's signature.)
 constexpr uint32_t kAllToAllKind = 6, kAllToAllVKind = 7;
 ROCENANTE_HD uint32_t call_kind(Collective collective, Algorithm algorithm) {
   if (collective == Collective::kAllToAll) return kAllToAllKind;

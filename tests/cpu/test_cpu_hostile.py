@@ -26,7 +26,7 @@ CAPACITY = 4096
 CONFIG = _C.layout.config_bytes
 DEVICE, FIRST_CALL, SIGNAL, TWOSHOT, PID = CONFIG - 16, CONFIG - 12, CONFIG - 8, CONFIG - 4, CONFIG
 HEADER = _C.layout.handle_header_bytes
-OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROCA"
+OURS = _C.layout.config_magic.to_bytes(4, "big").decode()  # e.g. "ROCB"
 _names = itertools.count()
 
 

@@ -7,7 +7,7 @@ the receiver's flag for this buffer and sender (one rail: ROCENANTE_IB_HCA lists
 same queue pair, which the receiver polls in its memory; "completion", a zero-length RDMA WRITE WITH IMMEDIATE carrying the sender's signal count. Every offset
 and format of the region and the wire below is derived here from what csrc/layout.h and
 csrc/transport/ibverbs.cc document (wire protocol v2, Lamport format for float32), not from rocenante's code
-(protocol ROCA: abort words, the flags' two lines, then each buffer's call words on a 128-byte line of their own), so
+(protocol ROCB: abort words, the flags' two lines, then each buffer's call words on a 128-byte line of their own), so
 this checks the wire layout and the signalling against rdma-core's binding; only the handle's framing (the
 core's magics and header sizes) comes from rocenante._C.layout."""
 

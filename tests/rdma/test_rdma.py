@@ -78,7 +78,7 @@ def test_dtypes_ops_random_sizes_bitwise_identical_across_ranks(world, signal, m
 
 
 def _gathers_and_scatters(store, rank, world, seed):
-    """All-gathers and all-to-alls of any bits and reduce-scatters of every dtype and op (protocol v5), at a size
+    """All-gathers and all-to-alls of any bits and reduce-scatters of every dtype and op (protocol v6), at a size
     within one piece and one across pieces, checked bit for bit."""
     comm = rocenante.Communicator(store, rank, world, capacity_bytes=CAPACITY, timeout_s=120)
     rng = random.Random(seed)
