@@ -26,14 +26,20 @@ def _init(store, rank, world):
 
 
 def _router(store, rank, world, disable_on):
+    import torch.distributed as dist
+
     from rocenante.vllm.router import AllReduceRouter
 
     if rank == disable_on:
         os.environ["ROCENANTE_DISABLE"] = "1"
     group = _init(store, rank, world)
     other = AllReduceRouter.start(group, torch.device("cpu"), "pp:0")  # no collective: a rank may skip it
-    assert not other.active and "not tensor-parallel" in other.why
-    router = AllReduceRouter.start(group, torch.device("cpu"), "tp:0")
+    assert not other.active and "is not one rocenante serves" in other.why
+    stateless = dist.new_group(backend="gloo")  # as elastic EP's, a group torch.distributed does not know
+    dist.distributed_c10d._world.pg_map.pop(stateless)
+    other = AllReduceRouter.start(stateless, torch.device("cpu"), "ep:0")
+    assert not other.active and "stateless group" in other.why
+    router = AllReduceRouter.start(group, torch.device("cpu"), "dp:0")  # the all2all manager's group
     if not router.active:
         return router.why
     inputs = [make_input(5, 0, r, 4 * 1000, torch.bfloat16).view(4, 1000) for r in range(world)]
@@ -64,6 +70,20 @@ def _gathers_and_scatters(router, rank, world):
     assert router.reduce_scatter(torch.ones(world + 1, 4), 0) is None  # does not split evenly
     assert router.all_gather(torch.ones(3, dtype=torch.float64), 0) is None  # dtype
     assert router.all_gather(torch.ones(router.threshold_bytes // 4 // world + 1), 0) is None  # gathered: too big
+    # vLLM's all2all manager (AgRsAll2AllManager): all_gatherv of a tensor or a list, reduce_scatterv(_into_output),
+    # served for equal sizes; unequal ones (and a dim other than 0) go to vLLM's own.
+    tokens = [random_bits(8, 0, r, 4 * 6, torch.bfloat16).view(4, 6) for r in range(world)]
+    logits = [random_bits(8, 1, r, 4 * 3, torch.float32).view(4, 3) for r in range(world)]
+    got = router.all_gatherv([tokens[rank], logits[rank]], 0, [4] * world)
+    assert torch.equal(bits(got[0]), bits(torch.cat(tokens))) and torch.equal(bits(got[1]), bits(torch.cat(logits)))
+    assert torch.equal(bits(router.all_gatherv(tokens[rank], 0, None)), bits(torch.cat(tokens)))
+    assert router.all_gatherv(tokens[rank], 0, [4] * (world - 1) + [3]) is None
+    assert router.all_gatherv(tokens[rank], 1, None) is None
+    assert torch.equal(bits(router.reduce_scatterv(inputs[rank], 0, [6] * world)), bits(whole.chunk(world, 0)[rank]))
+    output = torch.full((6, 5), float("nan"), dtype=torch.bfloat16)
+    assert router.reduce_scatterv(inputs[rank], 0, None, output) is output
+    assert torch.equal(bits(output), bits(whole.chunk(world, 0)[rank]))
+    assert router.reduce_scatterv(inputs[rank], 0, [5] + [6] * (world - 2) + [7]) is None
 
 
 def test_router_serves_eligible_all_reduces():
@@ -198,7 +218,19 @@ def _subclass(store, rank, world):
         dist.all_reduce(out, group=self.cpu_group)
         return out
 
+    def parent_all_gatherv(self, input_, dim=0, sizes=None):  # vLLM's own, as gloo would do it; counted only for
+        self.parent_calls += 1                                  # unequal sizes
+        if sizes is not None and len(set(sizes)) > 1:
+            return input_
+        outs = []
+        for x in [input_] if isinstance(input_, torch.Tensor) else input_:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.cpu_group)
+            outs.append(torch.cat(parts))
+        return outs[0] if isinstance(input_, torch.Tensor) else outs
+
     CudaCommunicator.__init__, CudaCommunicator.all_reduce = init, parent_all_reduce
+    CudaCommunicator.all_gatherv = parent_all_gatherv
     CudaCommunicator.destroy = lambda self: None
     from rocenante.vllm.communicator import RocenanteCudaCommunicator
 
@@ -211,6 +243,21 @@ def _subclass(store, rank, world):
     big = comm.all_reduce(torch.ones(comm.rocenante.threshold_bytes // 4 + 1))
     comm.destroy()
     assert torch.equal(small, torch.full_like(x, world * (world + 1) / 2)) and torch.equal(big, torch.full_like(big, world))
+    # The data-parallel group, as vLLM's AgRsAll2AllManager uses it: dispatch (all_gatherv of the hidden states and
+    # the router logits) and combine (reduce_scatterv_into_output), equal sizes on rocenante, unequal on vLLM's.
+    dp = RocenanteCudaCommunicator(cpu_group=group, device=torch.device("cpu"), device_group=group,
+                                   unique_name="dp:0", use_all2all=True)
+    hidden, logits = torch.full((3, 16), float(rank), dtype=torch.bfloat16), torch.full((3, 4), float(rank))
+    gathered = dp.all_gatherv([hidden, logits], dim=0, sizes=[3] * world)
+    combined = torch.empty(3, 16, dtype=torch.bfloat16)
+    dp.reduce_scatterv_into_output(gathered[0], combined, dim=0, sizes=[3] * world)
+    served = dp.parent_calls
+    dp.all_gatherv(torch.ones(rank + 1, 2), dim=0, sizes=list(range(1, world + 1)))  # unequal: vLLM's own
+    dp.destroy()
+    ranks = torch.arange(world, dtype=torch.float32).repeat_interleave(3)[:, None]
+    assert torch.equal(gathered[0], ranks.expand(-1, 16).to(torch.bfloat16)) and torch.equal(gathered[1], ranks.expand(-1, 4))
+    assert torch.equal(combined, torch.full_like(combined, world * rank))  # rank r's rows of the sum: world x r
+    assert (served, dp.parent_calls) == (0, 1), (served, dp.parent_calls)
     return calls_after_small, comm.parent_calls, records
 
 
@@ -246,7 +293,7 @@ def _stateless_group(store, rank, world):
 def test_elastic_ep_stateless_groups_build_with_the_plugin():
     for name, is_cuda_communicator, active, why, extra in expect_ok(run_ranks(2, _stateless_group, timeout=240)):
         assert name == "RocenanteCudaCommunicator" and is_cuda_communicator
-        assert not active and "is not tensor-parallel" in why, why  # serves nothing there: vLLM's backends do
+        assert not active and "stateless group" in why, why  # serves nothing there: vLLM's backends do
         assert extra == ["global_ranks", "global_world_size", "tcp_store_group", "use_all2all"], extra  # passed on
 
 

@@ -2,8 +2,9 @@
 
 With ``ROCENANTE_VLLM=1``, register() makes the current platform's get_device_communicator_cls() name
 RocenanteCudaCommunicator (communicator.py), a subclass of vLLM's CudaCommunicator, so vLLM builds it for its
-groups; it sends the tensor-parallel group's eligible all-reduces to rocenante and everything else to vLLM's
-own backends (router.py); vLLM's stateless groups, which build CudaCommunicator by name, build it too.
+groups; it sends the tensor-, data-, expert- and context-parallel groups' eligible calls to rocenante and
+everything else to vLLM's own backends (router.py); vLLM's stateless groups, which build CudaCommunicator by name,
+build it too.
 Without the variable, or on a platform that does not build vLLM's CudaCommunicator, or on a vLLM without that
 hook, it does nothing (and says why, in the last two cases). Nothing here imports
 vLLM before register() runs with the variable set.
@@ -49,8 +50,8 @@ def register() -> None:
 def _stateless_groups_build_ours() -> None:
     """vLLM's StatelessGroupCoordinator (the DP/EP/EPLB groups of --enable-elastic-ep, vLLM 0.33) asserts that the
     platform's class is CudaCommunicator itself and then builds that name: it is given ours under that name, so
-    the assertion holds and those groups get a CudaCommunicator in every respect (ours serves only "tp"
-    groups). A vLLM without that module has nothing to adapt."""
+    the assertion holds and those groups get a CudaCommunicator in every respect (ours serves nothing in a
+    stateless group: router.py). A vLLM without that module has nothing to adapt."""
     try:
         from vllm.distributed import stateless_coordinator
     except ImportError:

@@ -1,7 +1,8 @@
 """RocenanteCudaCommunicator: what vLLM builds for its groups once the plugin is registered (ROCENANTE_VLLM=1).
 
 A CudaCommunicator in every respect (vLLM's graph_capture() requires one, and enters its backends' capture
-contexts), with the tensor-parallel group's eligible all-reduces, all-gathers and reduce-scatters on rocenante.
+contexts), with the eligible all-reduces, all-gathers and reduce-scatters (and the all2all manager's all_gatherv and
+reduce_scatterv of equal sizes) of the tensor-, data-, expert- and context-parallel groups on rocenante (router.py).
 rocenante needs no capture context: its kernel reads the caller's tensor in place and keeps its call numbers on
 the GPU, so captured calls replay correctly on any tensor, and calls from the capture stream are ordered after
 earlier ones on other streams by rocenante itself. Imports vLLM: only loaded through the plugin.
@@ -13,7 +14,7 @@ import torch
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 from vllm.logger import init_logger
 
-from rocenante.vllm.router import AllReduceRouter
+from rocenante.vllm.router import GROUPS, AllReduceRouter
 
 logger = init_logger("vllm.rocenante")
 
@@ -29,7 +30,7 @@ class RocenanteCudaCommunicator(CudaCommunicator):
             if self.rocenante.active:
                 logger.info_once("Using rocenante all-reduce ahead of those backends for group '%s': %s.",
                                  unique_name, self.rocenante.describe(), scope="global")
-            elif unique_name.split(":")[0] == "tp":
+            elif unique_name.split(":")[0] in GROUPS:
                 logger.warning_once("Not using rocenante all-reduce for group '%s' (ROCENANTE_VLLM=1): %s.",
                                     unique_name, self.rocenante.why, scope="global")
 
@@ -44,6 +45,18 @@ class RocenanteCudaCommunicator(CudaCommunicator):
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         out = self.rocenante.reduce_scatter(input_, dim)
         return out if out is not None else super().reduce_scatter(input_, dim)
+
+    def all_gatherv(self, input_, dim: int = 0, sizes=None):
+        out = self.rocenante.all_gatherv(input_, dim, sizes)
+        return out if out is not None else super().all_gatherv(input_, dim, sizes)
+
+    def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes=None):
+        out = self.rocenante.reduce_scatterv(input_, dim, sizes)
+        return out if out is not None else super().reduce_scatterv(input_, dim, sizes)
+
+    def reduce_scatterv_into_output(self, input_: torch.Tensor, output: torch.Tensor, dim: int = -1, sizes=None):
+        out = self.rocenante.reduce_scatterv(input_, dim, sizes, output)
+        return out if out is not None else super().reduce_scatterv_into_output(input_, output, dim, sizes)
 
     def destroy(self) -> None:
         self.rocenante.close()

@@ -11,11 +11,19 @@ from rocenante import startup
 from rocenante.communicator import Communicator, serves
 
 
+# The groups a router serves: tensor parallelism's (as vLLM's own one-shot backends), and the groups vLLM's
+# default all2all manager (allgather_reducescatter, AgRsAll2AllManager: its dispatch and combine call all_gatherv
+# and reduce_scatterv) exchanges experts' tokens over: data parallelism's, expert parallelism's (sequence-parallel
+# MoE) and prefill context parallelism's (when DP is 1).
+GROUPS = ("tp", "dp", "ep", "pcp")
+
+
 class AllReduceRouter:
-    """Serves the sum all-reduces, all-gathers and sum reduce-scatters of a vLLM tensor-parallel group ("tp", as
-    vLLM's own one-shot backends) that rocenante.serves() accepts up to the threshold (ROCENANTE_THRESHOLD_BYTES,
-    as the torch.distributed backend's: beyond it NCCL is faster); returns None for the others, which the caller
-    sends to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed by every rank at start()."""
+    """Serves the sum all-reduces, all-gathers and sum reduce-scatters (and all_gatherv and reduce_scatterv of
+    equal sizes) of a vLLM group of GROUPS that rocenante.serves() accepts up to the threshold
+    (ROCENANTE_THRESHOLD_BYTES, as the torch.distributed backend's: beyond it NCCL is faster); returns None for the
+    others, which the caller sends to vLLM's backends. Whether rocenante runs at all, and the threshold, are agreed
+    by every rank at start()."""
 
     def __init__(self, comm: Optional[Communicator], why: str, threshold_bytes: int = 0):
         self.comm = comm
@@ -24,10 +32,16 @@ class AllReduceRouter:
 
     @classmethod
     def start(cls, cpu_group, device: torch.device, unique_name: str) -> "AllReduceRouter":
-        """Collective over `cpu_group` (vLLM's gloo group of the communicator's ranks) for a tensor-parallel
-        group; for any other group nothing happens and no rank waits."""
-        if unique_name.split(":")[0] != "tp":
-            return cls(None, f"group {unique_name!r} is not tensor-parallel")
+        """Collective over `cpu_group` (vLLM's gloo group of the communicator's ranks) for a group of GROUPS; for
+        any other group, and for elastic EP's stateless groups (whose gloo group torch.distributed does not know,
+        so that it has no store to meet on), nothing happens and no rank waits."""
+        import torch.distributed as dist
+
+        if unique_name.split(":")[0] not in GROUPS:
+            return cls(None, f"group {unique_name!r} is not one rocenante serves ({', '.join(GROUPS)})")
+        if cpu_group not in dist.distributed_c10d._world.pg_map:
+            return cls(None, f"group {unique_name!r} is a stateless group (elastic EP), which rocenante does not "
+                             "serve")
         rendezvous = startup.rendezvous_on_group(cpu_group, "vllm")
         started = startup.open_agreed(rendezvous.exchange, rendezvous.store, rendezvous.rank, rendezvous.size,
                                       device, f"vllm-{unique_name}", f"vLLM group {unique_name!r}")
@@ -76,14 +90,42 @@ class AllReduceRouter:
             return comm.reduce_scatter(x.contiguous())
         return comm.reduce_scatter(x.t().contiguous()).t().contiguous()
 
+    def all_gatherv(self, input_, dim: int, sizes) -> Optional[torch.Tensor | list[torch.Tensor]]:
+        """vLLM's all_gatherv (AgRsAll2AllManager's dispatch: a tensor or a list of them, along dim 0): served where
+        the sizes are equal (or None), as vLLM's own then runs a plain all-gather, every tensor along dim 0 (a
+        list: all of them or none); else None. vLLM pads data-parallel ranks to equal sizes in CUDA-graph steps."""
+        tensors = [input_] if isinstance(input_, torch.Tensor) else list(input_)
+        comm = self.comm
+        if comm is None or dim != 0 or (sizes is not None and any(s != sizes[0] for s in sizes)) \
+                or any(x.dim() == 0 or not self._serves(x, comm.world_size) for x in tensors):
+            return None
+        gathered = [comm.all_gather(x.contiguous()) for x in tensors]
+        return gathered[0] if isinstance(input_, torch.Tensor) else gathered
+
+    def reduce_scatterv(self, x: torch.Tensor, dim: int, sizes, output: Optional[torch.Tensor] = None):
+        """vLLM's reduce_scatterv and reduce_scatterv_into_output (AgRsAll2AllManager's combine): served where the
+        sizes are equal (or None), as reduce_scatter(); into `output` when given (vLLM's own asks dim 0 then);
+        else None."""
+        if sizes is not None and any(s != sizes[0] for s in sizes):
+            return None
+        if output is None:
+            return self.reduce_scatter(x, dim)
+        comm = self.comm
+        if comm is None or dim % max(x.dim(), 1) != 0 or not self._serves(x, 1) or x.shape[0] % comm.world_size != 0 \
+                or output.dtype != x.dtype or output.numel() * comm.world_size != x.numel() \
+                or not output.is_contiguous():
+            return None
+        comm.reduce_scatter(x.contiguous(), out=output.view(x.shape[0] // comm.world_size, *x.shape[1:]))
+        return output
+
     def _serves(self, x: torch.Tensor, copies: int) -> bool:
         """serves() for a sum over ``copies`` times ``x``'s bytes (an all-gather's output), up to the threshold."""
         return serves(x, "sum") and copies * x.numel() * x.element_size() <= self.threshold_bytes
 
     def describe(self) -> str:
         """What rocenante serves, for the log line."""
-        return (f"sum all-reduces, all-gathers and sum reduce-scatters of float32, float16, bfloat16 and int32 up to "
-                f"{self.threshold_bytes} bytes ({self.why})")
+        return (f"sum all-reduces, all-gathers and sum reduce-scatters (all_gatherv and reduce_scatterv of equal "
+                f"sizes) of float32, float16, bfloat16 and int32 up to {self.threshold_bytes} bytes ({self.why})")
 
     def close(self) -> None:
         if self.comm is not None:
