@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import math
 import time
 
 import torch
@@ -283,26 +284,29 @@ class RocenanteProcessGroup(dist.ProcessGroup):
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """all_to_all_single: through rocenante where input and output match in dtype and device, else the
-        delegate. Equal splits (a list empty, or world_size equal parts of dim 0) go as an all-to-all of equal
-        blocks within the threshold; any other splits as a split all-to-all of one piece, whatever their size (a
-        rank knows only its own blocks' sizes, so no size can decide the path alike on every rank): a block larger
-        than Communicator.largest_block() is refused and the communicator faults, on every rank. A pair that
-        exchanges a block shares its split, and the receiver checks it; a program whose splits are equal on some
-        ranks only leaves those ranks waiting for the others until the timeout, which names them
-        (docs/guarantees.md)."""
+        delegate. Which path a call takes rests on facts every rank shares, never on the split values (a rank
+        knows only its own blocks, and MoE routing can make one rank's equal by chance while another's are not):
+        without split lists (torch's empty list), an all-to-all of equal blocks within the threshold, as every
+        rank's input is world_size blocks of the size each pair shares; with split lists (on either side, equal
+        or not), the ranks first agree on the largest block of all (a one-element max all-reduce on the CPU path's
+        communicator, a few microseconds on the host, no GPU sync) and make a split all-to-all (one piece) where
+        that block fits one (Communicator.largest_block()) and world_size of it fit the threshold, as an equal
+        all-to-all's input must; else, or where the CPU path does not run, the delegate. A pair that exchanges a
+        block shares its split, and the receiver checks it (a disagreement is a CallMismatchError naming both)."""
         world = self.size()
         comm = None
         alike = output.dtype == input.dtype and output.device == input.device and input.dim() > 0 \
             and output.shape[1:] == input.shape[1:]
-        equal = _equal_splits(input, input_split_sizes, world) and _equal_splits(output, output_split_sizes, world) \
-            and output.shape == input.shape
-        if alike:  # unequal splits: by dtype and device alone (a rank's input may be empty while others' are not)
-            comm = self._eligible(input if equal else input.new_empty(1), "sum", "all_to_all", None if equal else 0)
+        split = len(input_split_sizes) > 0 or len(output_split_sizes) > 0  # how the program calls it: alike
+        if alike and not split and output.shape == input.shape and input.shape[0] % world == 0:
+            comm = self._eligible(input, "sum", "all_to_all")
+        elif alike and split:
+            comm = self._split_comm(input, output, input_split_sizes, output_split_sizes)
         if comm is None:
             return self._delegate(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                        *_given(opts))
         stream = comm.current_stream()
-        if equal:
+        if not split:
             call = self._gather_issue(comm, "all_to_all", output, input, "sum", stream)
         else:
             flat_out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
@@ -311,6 +315,19 @@ class RocenanteProcessGroup(dist.ProcessGroup):
             if flat_out is not output:
                 _copy_back(output, flat_out)
         return _Work([output], comm, stream, call) if output.is_cuda else _Work([output])
+
+    def _split_comm(self, input, output, input_split_sizes, output_split_sizes):
+        """The communicator that serves a split all-to-all of these tensors, or None (alltoall_base())."""
+        world, row = self.size(), math.prod(input.shape[1:])
+        blocks = [*(input_split_sizes or [input.shape[0] // world]), *(output_split_sizes or [output.shape[0] // world])]
+        probe = torch.tensor([min(max(blocks) * row, 2**31 - 1)], dtype=torch.int32)  # this rank's largest block
+        agreeing = self._eligible(probe, "max")  # a CPU communicator: every rank takes this path alike
+        if agreeing is None:
+            return None
+        agreeing.all_reduce(probe, op="max", out=probe)
+        most = int(probe)
+        comm = self._eligible(input.new_empty(1), "sum", "all_to_all", world * most * input.element_size())
+        return comm if comm is not None and most <= comm.largest_block(input.dtype) else None
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
@@ -430,14 +447,6 @@ def _copy_back(t: torch.Tensor, dense: torch.Tensor) -> None:
     that requires grad takes it, as from gloo's in-place write)."""
     with torch.no_grad():
         t.copy_(dense)
-
-
-def _equal_splits(t: torch.Tensor, splits, world: int) -> bool:
-    """Whether all_to_all_single's `splits` of `t` cut dim 0 into `world` equal blocks (an empty list: torch's
-    spelling of that)."""
-    if t.dim() == 0 or t.shape[0] % world != 0:
-        return False
-    return len(splits) == 0 or (len(splits) == world and all(int(n) == t.shape[0] // world for n in splits))
 
 
 def _given(opts) -> list:

@@ -116,7 +116,7 @@ def _every_collective(store, rank, world):
     assert torch.equal(big, torch.arange(world).float().repeat_interleave(threshold // 4 + 1))
     assert len(calls) == before + 5, "a collective past the threshold must go to gloo"
 
-    # all_to_all_single: equal splits (none given, or given equal) and unequal ones on rocenante.
+    # all_to_all_single: without split lists, with equal ones and with unequal ones, on rocenante.
     before = len(calls)
     a2a_out = torch.empty(world)
     dist.all_to_all_single(a2a_out, torch.arange(world).float() + 10 * rank)
@@ -126,7 +126,9 @@ def _every_collective(store, rank, world):
     dist.all_to_all_single(a2a_out, a2a_in, [2] * world, [2] * world)
     assert torch.equal(a2a_out, torch.cat([(torch.arange(6.0 * world).reshape(2 * world, 3) + 100 * s)[2 * rank:2 * rank + 2]
                                            for s in range(world)]).to(torch.bfloat16))
-    assert len(calls) == before + 2, "all_to_all_single of equal splits must reach the communicator"
+    # Split lists, equal or not, go as split all-to-alls, each after the ranks agree on the largest block (a max
+    # all-reduce): two calls of the communicator.
+    assert len(calls) == before + 3, "all_to_all_single of equal splits must reach the communicator"
     sizes = [1 + (rank + p) % 2 for p in range(world)]  # rank r sends 1 + (r + p) % 2 rows to p, and gets as many
     a2a_out = torch.empty(sum(sizes))
     dist.all_to_all_single(a2a_out, torch.cat([torch.full((n,), float(10 * rank + p)) for p, n in enumerate(sizes)]),
@@ -138,11 +140,20 @@ def _every_collective(store, rank, world):
     dist.all_to_all_single(a2a_out, torch.cat([torch.full((n, 1), float(10 * rank + p)) for p, n in enumerate(sizes)]),
                            got, sizes)
     assert torch.equal(a2a_out, torch.cat([torch.full((n, 1), float(10 * s + rank)) for s, n in enumerate(got)]))
-    assert len(calls) == before + 4, "all_to_all_single of unequal splits must reach the communicator"
+    assert len(calls) == before + 7, "all_to_all_single of unequal splits must reach the communicator"
+    # One rank's block past the largest: every rank delegates, rank 2 too, whose splits are all equal.
+    largest = pg._comms["cpu"].largest_block(torch.float32)
+    sizes = [largest + 1 if (rank, p) == (0, 1) else 1 for p in range(world)]
+    got = [largest + 1 if (s, rank) == (0, 1) else 1 for s in range(world)]
+    a2a_out = torch.empty(sum(got))
+    dist.all_to_all_single(a2a_out, torch.cat([torch.full((n,), float(10 * rank + p)) for p, n in enumerate(sizes)]),
+                           got, sizes)
+    assert torch.equal(a2a_out, torch.cat([torch.full((n,), float(10 * s + rank)) for s, n in enumerate(got)]))
+    assert len(calls) == before + 8, "a block past the largest must go to gloo on every rank, after the agreement"
     lists_out = [torch.empty(2, dtype=torch.int32) for _ in range(world)]
     dist.all_to_all(lists_out, [torch.tensor([rank * 10 + p, -1], dtype=torch.int32) for p in range(world)])
     assert [v.tolist() for v in lists_out] == [[s * 10 + rank, -1] for s in range(world)]
-    assert len(calls) == before + 5, "all_to_all of equal-size lists must reach the communicator"
+    assert len(calls) == before + 9, "all_to_all of equal-size lists must reach the communicator"
 
     # Every other collective, delegated.
     t = torch.full((4,), float(rank))
