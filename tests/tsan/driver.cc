@@ -67,7 +67,8 @@ std::vector<std::string> on_every_rank(std::vector<std::unique_ptr<Communicator>
 
 uintptr_t ptr(const std::vector<float>& v) { return reinterpret_cast<uintptr_t>(v.data()); }
 
-// Every collective, one-shot and two-shot, in and over the capacity: rank r's element i is r + i % 7.
+// Every collective, one-shot and two-shot, in and over the capacity (rank r's element i is r + i % 7), and a split
+// all-to-all.
 void calls(int r, Communicator& c) {
   for (size_t count : {size_t(1000), size_t(40000), size_t(70000)}) {  // 4 KB, 160 KB (two-shot), 280 KB (pieces)
     std::vector<float> in(count), out(count, NAN);
@@ -84,6 +85,24 @@ void calls(int r, Communicator& c) {
     c.reduce_scatter(ptr(whole), ptr(part), count, DType::kFloat32, ReduceOp::kMax, 0);
     for (size_t i = 0; i < count; ++i)
       if (part[i] != float(kWorld - 1 + (r * count + i) % 5)) throw Error("reduce_scatter: wrong element");
+    std::vector<float> blocks(kWorld * count), swapped(kWorld * count, NAN);  // block p of rank r: 100 r + p
+    for (size_t i = 0; i < kWorld * count; ++i) blocks[i] = float(100 * r + i / count);
+    c.all_to_all(ptr(blocks), ptr(swapped), count, DType::kFloat32, 0);
+    for (size_t i = 0; i < kWorld * count; ++i)
+      if (swapped[i] != float(100 * (i / count) + r)) throw Error("all_to_all: wrong element");
+  }
+  // A split all-to-all: rank r sends 10 (r + p + 1) elements of 100 r + p to rank p.
+  std::vector<size_t> send(kWorld), recv(kWorld);
+  std::vector<float> in, out;
+  for (int p = 0; p < kWorld; ++p) {
+    send[p] = 10 * (r + p + 1), recv[p] = 10 * (p + r + 1);
+    in.insert(in.end(), send[p], float(100 * r + p));
+  }
+  out.assign(in.size(), NAN);  // as much as it sends: the sizes are symmetric
+  c.all_to_all_v(ptr(in), ptr(out), DType::kFloat32, send, recv, 0);
+  for (size_t i = 0, s = 0, n = 0; i < out.size(); ++i, ++n) {
+    if (n == recv[s]) ++s, n = 0;
+    if (out[i] != float(100 * s + r)) throw Error("all_to_all_v: wrong element");
   }
 }
 
