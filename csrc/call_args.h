@@ -132,6 +132,12 @@ ROCENANTE_HD bool sharded(const CallArgs& a) {
 ROCENANTE_HD Format format_of(const CallArgs& a) {
   return a.algorithm == Algorithm::kTwoShot ? format_of(a.dtype) : format_of(a.collective, a.dtype);
 }
+// Whether this rank's store into peer p's area carries block (or shard) t of its input, in the calls that send
+// each rank its own (two-shot's first exchange, reduce-scatter, the all-to-alls): p's own, and into a network
+// peer's area, our image shared by the peers below or above us (CallArgs::stores), every one but ours.
+ROCENANTE_HD bool carries(const CallArgs& a, int p, int t) {
+  return t == p || (t != a.rank && (a.network & (1u << p)));
+}
 // Every rank of the call but this one (bit p: rank p).
 ROCENANTE_HD uint32_t peers_of(const CallArgs& a) { return ((1u << a.world) - 1) & ~(1u << a.rank); }
 // Calls of the protocol a piece makes: two for a two-shot all-reduce over a network wire, one otherwise (layout.h:

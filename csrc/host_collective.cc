@@ -360,7 +360,7 @@ void push_as(const CallArgs& a, int buffer, uint32_t call) {
       if (!(a.stores & (1u << p))) continue;
       const Destinations to(a, buffer, 1u << p);
       for (int s = 0; s < a.world; ++s)
-        if (s == p || (s != a.rank && (a.network & (1u << p))))
+        if (carries(a, p, s))
           send<D, F>(to, static_cast<const char*>(a.in) + s * a.stride_bytes, sh.bytes_of(s), s * sh.slot_chunks,
                      call);
     }
@@ -375,7 +375,7 @@ void push_blocks(const CallArgs& a, int buffer, uint32_t call) {
     if (!(a.stores & (1u << p))) continue;
     const Destinations to(a, buffer, 1u << p);
     for (int t = 0; t < a.world; ++t) {
-      if (t != p && (t == a.rank || !(a.network & (1u << p)))) continue;
+      if (!carries(a, p, t)) continue;
       size_t offset = 0, elems = 0;
       send_block(a, t, offset, elems);
       const Words header = {uint32_t(elems * esize), 0, 0, 0};

@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(kThreads) sharded_kernel(const CallArgs a, con
         sanitize<D, F>(w);
 #pragma unroll
         for (int p = 0; p < W; ++p)
-          if (p < a.world && (a.stores & (1u << p)) && (p == t || (a.network & (1u << p))))
+          if (p < a.world && (a.stores & (1u << p)) && carries(a, p, t))
             send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), v, w, call);
       }
     }
@@ -662,7 +662,7 @@ __global__ void __launch_bounds__(kThreads) blocks_kernel(const CallArgs a, cons
       }
 #pragma unroll
       for (int p = 0; p < W; ++p)
-        if (p < a.world && (a.stores & (1u << p)) && (p == t || (a.network & (1u << p))))
+        if (p < a.world && (a.stores & (1u << p)) && carries(a, p, t))
           send_chunk<F>(area(a.peer[p], a.layout, buffer, p, r), t * slot + j, w, call);
     }
   }
